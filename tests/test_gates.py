@@ -1,0 +1,185 @@
+"""Gates on whole models: exactness with gates off, gradients, limiting cases, cached generation, errors."""
+
+import pytest
+import torch
+from transformers import BertConfig, BertForMaskedLM
+
+import models
+from models import GateError, attach_gates, configure_backbone, gate_mode, gate_outputs, set_gate_mode
+from tests.conftest import tiny_model
+
+
+def batch_with_left_padding(vocab=97, length=24):
+    torch.manual_seed(1)
+    ids = torch.randint(0, vocab, (2, length))
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("kind", ["dms", "trimkv"])
+def test_gates_off_reproduce_the_original_model(family, kind):
+    model = tiny_model(family)
+    ids, mask = batch_with_left_padding()
+    with torch.no_grad():
+        before = model(ids, attention_mask=mask).logits
+        attach_gates(model, kind, window=4) if kind == "dms" else attach_gates(model, kind, hidden=16, bias_init=1.0)
+        after = model(ids, attention_mask=mask).logits
+        set_gate_mode(model, "train")
+        trained = model(ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(after[real], before[real], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(trained[real], before[real], atol=1e-3), "training mode must change attention"
+
+
+@pytest.mark.slow
+def test_gates_off_reproduce_smollm2(smollm2):
+    model, tokenizer = smollm2
+    ids = tokenizer(["The capital of France is", "Once upon a time, in a land far away, there"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        before = model(**ids).logits
+        attach_gates(model, "dms", window=8)
+        try:
+            after = model(**ids).logits
+        finally:  # the session-scoped model is shared: take the gates out again
+            for layer in models.gates.decoder_layers(model):
+                layer.self_attn.kv_gate.install_hooks(layer)
+                for handle in layer.self_attn.kv_gate._hooks:
+                    handle.remove()
+                del layer.self_attn.kv_gate
+            model.set_attn_implementation("sdpa")
+            del model.config.retrokv
+    real = ids["attention_mask"].bool()
+    torch.testing.assert_close(after[real], before[real], atol=1e-4, rtol=1e-4)
+
+
+def test_gradients_reach_gates_and_neuron_rows_only():
+    model = tiny_model("qwen2")
+    attach_gates(model, "dms", window=2)
+    model = configure_backbone(model, "frozen")
+    set_gate_mode(model, "train")
+    gate_state = models.gate_state(model)
+    gate_state.neuron_keep = 0.0
+    ids, mask = batch_with_left_padding()
+    out = model(ids, attention_mask=mask)
+    hard = torch.stack([o["evict_hard"] for o in gate_outputs(model)])
+    (out.logits.float().pow(2).mean() + hard.mean()).backward()
+    for layer in models.gates.decoder_layers(model):
+        gate = layer.self_attn.kv_gate
+        q = layer.self_attn.q_proj
+        rows = gate._neuron_flat_index()
+        assert q.weight.grad is not None and q.weight.grad[rows].abs().sum() > 0
+        others = torch.ones(q.weight.shape[0], dtype=torch.bool)
+        others[rows] = False
+        assert q.weight.grad[others].abs().sum() == 0
+        assert q.bias.grad[rows].abs().sum() > 0  # qwen2 has a q bias
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen and all(p.grad is None for n, p in model.named_parameters() if not p.requires_grad)
+
+
+@pytest.mark.parametrize("kind,settings", [("dms", {"source": "adapter", "window": 3}), ("trimkv", {"hidden": 8})])
+def test_gradients_reach_gate_parameters_with_frozen_and_lora_backbones(kind, settings):
+    for mode in ("frozen", "lora"):
+        model = configure_backbone(attach_gates(tiny_model("llama"), kind, **settings), mode)
+        set_gate_mode(model, "train")
+        ids, mask = batch_with_left_padding()
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        side = gate_outputs(model)[0]
+        extra = side["evict_hard"].mean() if kind == "dms" else side["occupancy"].mean()
+        (logits.pow(2).mean() + extra).backward()
+        gate_params = {n: p for n, p in model.named_parameters() if "kv_gate" in n}
+        assert gate_params and all(p.grad is not None for p in gate_params.values()), mode
+        # the adapter's projection starts at zero, so only its own weight has a non-zero gradient at step 0
+        moving = [n for n in gate_params if n.endswith(("proj.weight", "down.weight", "up.weight", "head_bias"))]
+        assert moving and all(gate_params[n].grad.abs().sum() > 0 for n in moving), mode
+        for name, param in model.named_parameters():
+            if not param.requires_grad:
+                assert param.grad is None, name
+        if mode == "lora":
+            assert any("lora_" in n and p.grad is not None for n, p in model.named_parameters())
+
+
+def test_lora_teacher_is_the_original_model():
+    base = tiny_model("llama")
+    ids, mask = batch_with_left_padding()
+    with torch.no_grad():
+        original = base(ids, attention_mask=mask).logits
+    model = configure_backbone(attach_gates(base, "dms", window=3, source="adapter"), "lora")
+    for name, param in model.named_parameters():  # make the adapter matter
+        if "lora_B" in name:
+            torch.nn.init.normal_(param)
+    with torch.no_grad(), model.disable_adapter(), gate_mode(model, "off"):
+        teacher = model(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(teacher[real], original[real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 3, 7])
+def test_all_evicted_is_sliding_window_and_none_evicted_is_full_attention(window):
+    ids, mask = batch_with_left_padding(length=30)
+    mask[:] = 1
+    reference = tiny_model("mistral", sliding_window=window + 1)  # Mistral keeps keys with t - i < sliding_window
+    full = tiny_model("mistral")
+    with torch.no_grad():
+        windowed = reference(ids, attention_mask=mask).logits
+        causal = full(ids, attention_mask=mask).logits
+        for offset, expected in ((-1e4, windowed), (1e4, causal)):  # a fresh adapter gives logit = -offset
+            gated = attach_gates(tiny_model("mistral"), "dms", window=window, source="adapter", offset=offset)
+            for mode in ("infer", "train"):  # hard decisions, and soft ones saturated by the forced logit
+                with gate_mode(gated, mode):
+                    got = gated(ids, attention_mask=mask).logits
+                torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(windowed, causal, atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["dms", "trimkv"])
+def test_cached_generation_matches_one_forward_in_inference_mode(kind):
+    settings = {"window": 2, "alpha_scale": 3.0, "offset": 0.0} if kind == "dms" else {"hidden": 8, "budget": 6, "bias_init": 0.0}
+    model = attach_gates(tiny_model("llama"), kind, **settings)
+    set_gate_mode(model, "infer")
+    ids, mask = batch_with_left_padding(length=12)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, pad_token_id=0)
+    full_mask = torch.cat([mask, torch.ones(2, 10, dtype=mask.dtype)], dim=1)
+    with torch.no_grad():
+        forward = model(out.sequences, attention_mask=full_mask).logits
+    stepped = torch.stack(out.logits, dim=1)
+    torch.testing.assert_close(stepped, forward[:, 11:-1], atol=1e-4, rtol=1e-4)
+    evicted = torch.stack([o["evict_hard"] for o in gate_outputs(model)]) if kind == "dms" else None
+    if evicted is not None:
+        assert 0 < evicted.mean() < 1, "the test must exercise evictions"
+
+
+def test_unsupported_architecture_and_bad_settings_are_named():
+    bert = BertForMaskedLM(BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
+    with pytest.raises(GateError, match=r"'bert'.*llama"):
+        attach_gates(bert, "dms")
+    with pytest.raises(GateError, match=r"unknown gate kind 'h2o'.*dms"):
+        attach_gates(tiny_model(), "h2o")
+    with pytest.raises(GateError, match=r"wndow.*window"):
+        attach_gates(tiny_model(), "dms", wndow=3)
+    with pytest.raises(GateError, match=r"window=-1"):
+        attach_gates(tiny_model(), "dms", window=-1)
+    with pytest.raises(GateError, match=r"neuron_channel=99"):
+        attach_gates(tiny_model(), "dms", neuron_channel=99)
+    with pytest.raises(GateError, match=r"decay='cubic'"):
+        attach_gates(tiny_model(), "trimkv", decay="cubic")
+    with pytest.raises(GateError, match=r"unknown gate mode 'soft'"):
+        set_gate_mode(attach_gates(tiny_model(), "dms"), "soft")
+
+
+def test_gate_statistics_shapes_and_padding():
+    model = attach_gates(tiny_model("qwen3"), "trimkv", hidden=8)
+    set_gate_mode(model, "train")
+    ids, mask = batch_with_left_padding()
+    model(ids, attention_mask=mask)
+    stats = models.gate_statistics(model, mask)
+    assert set(stats) == {"retention", "occupancy"}
+    assert stats["retention"].shape == (2, 2)
+    assert torch.all((stats["retention"] > 0.99) & (stats["retention"] <= 1))  # bias 8: sigmoid(8) ~ 0.9997
+
+    dms = attach_gates(tiny_model("llama"), "dms", window=2, per_layer=True)
+    set_gate_mode(dms, "train")
+    dms(ids, attention_mask=mask)
+    frac = models.gate_statistics(dms, mask)["evict_fraction"]
+    assert frac.shape == (2, 1) and torch.all((frac >= 0) & (frac <= 1))
