@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,7 +49,7 @@ class DMSSettings:
     """Dynamic Memory Sparsification (REFERENCE.md, DMS)."""
 
     window: int = 256
-    source: Literal["query_neuron", "adapter"] = "query_neuron"
+    source: str = "query_neuron"  # "query_neuron" | "adapter"
     neuron_channel: int = -1
     alpha_scale: float = 100.0
     offset: float = 5.0
@@ -74,7 +74,7 @@ class TrimKVSettings:
 
     hidden: int = 512
     bias_init: float = 8.0
-    decay: Literal["additive", "multiplicative"] = "additive"
+    decay: str = "additive"  # "additive" | "multiplicative"
     budget: int = 512  # M: the capacity-loss target and the per-head budget of the hard inference mask
 
     def validate(self, head_dim: int) -> None:
@@ -196,7 +196,7 @@ class DMSGate(KVGate):
     def compute(self, residual, normed):
         if self.settings.source != "adapter":
             return None
-        x = self.proj(self.norm(residual))  # [B, T, n]
+        x = self.proj(self.norm(_at_least_float32(residual)))  # [B, T, n]
         return self._logit(x)
 
     def _neuron_flat_index(self) -> list[int]:
@@ -277,7 +277,7 @@ class TrimKVGate(KVGate):
         nn.init.zeros_(self.up.bias)
 
     def compute(self, residual, normed):
-        x = self.down(self.act(self.up(normed))) + self.head_bias
+        x = self.down(self.act(self.up(_at_least_float32(normed)))) + self.head_bias
         return torch.nn.functional.logsigmoid(_at_least_float32(x)).transpose(1, 2)  # log beta [B, Hkv, T]
 
     @property
@@ -368,7 +368,8 @@ def attach_gates(model: nn.Module, kind: str = "dms", **settings: Any) -> nn.Mod
     state = GateState()
     ref = next(model.parameters())
     for idx, layer in enumerate(layers):
-        gate = GATE_CLASSES[kind](config, idx, state, parsed).to(device=ref.device, dtype=ref.dtype)
+        # gates train in float32 whatever the backbone's dtype: they are tiny and AdamW needs the precision
+        gate = GATE_CLASSES[kind](config, idx, state, parsed).to(device=ref.device, dtype=torch.float32)
         layer.self_attn.kv_gate = gate
         gate.install_hooks(layer)
     model.retrokv_state = state

@@ -1,0 +1,94 @@
+"""The LightningDataModule the trainer uses: prepared once, cached on disk, deterministic order."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import datasets
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from data.prepare import prepare
+from data.sources import load_source
+
+log = logging.getLogger(__name__)
+
+
+class StepSampler(Sampler[int]):
+    """Endless, seeded order over the dataset, strided over ranks, started at a given global offset.
+
+    A fresh permutation per pass (seed + pass). Starting at `start` (micro-batches already consumed)
+    makes a resumed run see exactly the batches an uninterrupted run would have seen next.
+    """
+
+    def __init__(self, size: int, seed: int, rank: int, world: int, batch_size: int, start_batches: int = 0):
+        self.size, self.seed, self.rank, self.world = size, seed, rank, world
+        self.batch_size, self.start = batch_size, start_batches * batch_size * world
+
+    def __iter__(self):
+        position = self.start
+        while True:
+            epoch, offset = divmod(position, self.size)
+            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+            for index in range(offset, self.size):
+                if index % self.world == self.rank:
+                    yield order[index]
+            position = (epoch + 1) * self.size
+
+
+def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+    return {key: torch.tensor([r[key] for r in rows]) for key in ("input_ids", "attention_mask", "loss_mask")}
+
+
+class RetrofitDataModule(L.LightningDataModule):
+    def __init__(self, data_cfg, tokenizer, seed: int, cache_dir: str | Path):
+        super().__init__()
+        self.cfg, self.tokenizer, self.seed = data_cfg, tokenizer, seed
+        self.cache_dir = Path(cache_dir)
+        self.train_set: datasets.Dataset | None = None
+        self.eval_set: datasets.Dataset | None = None
+
+    def _cache_key(self) -> str:
+        fields = {k: getattr(self.cfg, k) for k in ("source", "path", "split", "text_column", "train_samples",
+                                                     "eval_samples", "max_length", "packing", "chat_template",
+                                                     "mask_prompt", "too_long")}
+        blob = json.dumps({**fields, "seed": self.seed, "tokenizer": self.tokenizer.name_or_path}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def prepare_data(self) -> None:
+        folder = self.cache_dir / self._cache_key()
+        if (folder / "train").is_dir():
+            return
+        total = self.cfg.train_samples + self.cfg.eval_samples if self.cfg.train_samples > 0 else -1
+        raw = load_source(self.cfg, self.seed, total)
+        n_eval = min(self.cfg.eval_samples, max(len(raw) - 1, 0))
+        splits = {"eval": raw.select(range(n_eval)), "train": raw.select(range(n_eval, len(raw)))}
+        staging = folder.with_suffix(".tmp")
+        for name in ("eval", "train"):
+            if len(splits[name]) or name == "train":
+                prepare(splits[name], self.tokenizer, self.cfg, name).save_to_disk(str(staging / name))
+        staging.rename(folder)
+
+    def setup(self, stage: str | None = None) -> None:
+        folder = self.cache_dir / self._cache_key()
+        if not (folder / "train").is_dir():
+            self.prepare_data()
+        self.train_set = datasets.load_from_disk(str(folder / "train"))
+        self.eval_set = datasets.load_from_disk(str(folder / "eval")) if (folder / "eval").is_dir() else None
+
+    def train_dataloader(self) -> DataLoader:
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+        consumed = trainer.global_step * trainer.accumulate_grad_batches if trainer else 0
+        sampler = StepSampler(len(self.train_set), self.seed, rank, world, self.cfg.batch_size, consumed)
+        return DataLoader(self.train_set, batch_size=self.cfg.batch_size, sampler=sampler, collate_fn=collate,
+                          num_workers=self.cfg.num_workers)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if not self.eval_set:
+            return []
+        return DataLoader(self.eval_set, batch_size=self.cfg.batch_size, collate_fn=collate)

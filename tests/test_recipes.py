@@ -1,0 +1,98 @@
+"""Recipes and the CLI: every shipped recipe resolves and dry-runs offline; bad input is named."""
+
+import json
+
+import pytest
+
+from train.__main__ import main as train_main
+from train.config import RecipeError, available_recipes, load_recipe, total_steps
+
+SCALE_RECIPES = ["dms_qwen7b_cr8", "dms_llama1b_cr4", "trimkv_qwen3_4b_m512"]
+
+
+def test_shipped_recipes():
+    assert {"dms_smollm2_cr4", "trimkv_smollm2_m128", *SCALE_RECIPES} <= set(available_recipes())
+
+
+@pytest.mark.parametrize("name", SCALE_RECIPES)
+def test_scale_recipes_dry_run_without_downloading(name, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert train_main([f"recipe={name}", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out[out.index("{\n") : out.rindex("}") + 1])
+    cfg = load_recipe(name)
+    assert report["family"] == cfg.model.architecture.model_type
+    assert report["gate_parameters"] + report["repurposed_query_neurons"] > 0 and report["backbone_parameters"] > 1e8
+    if cfg.gate.kind == "dms" and cfg.gate.dms.source == "query_neuron":
+        arch = cfg.model.architecture
+        assert report["repurposed_query_neurons"] == arch.num_hidden_layers * arch.num_key_value_heads
+    assert report["strategy"] == "DeepSpeedStrategy" or report["strategy"] == "CPUDeepSpeedStrategy"
+
+
+def test_paper_numbers_in_the_qwen7b_recipe():
+    cfg = load_recipe("dms_qwen7b_cr8")
+    assert cfg.model.backbone == "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"
+    assert (cfg.data.max_length, cfg.gate.dms.window, cfg.schedule.cr_final, cfg.schedule.steps_per_cr) == (8192, 256, 8, 100)
+    assert cfg.optim.lr == 3e-5 and cfg.trainer.precision.startswith("bf16")
+    assert cfg.trainer.devices == 8 and cfg.strategy.name == "deepspeed"
+    assert total_steps(cfg) >= 700
+
+
+def test_default_recipe_and_overrides():
+    cfg = load_recipe("dms_smollm2_cr4", ["trainer.max_steps=7", "gate.dms.window=8", "optim.betas=[0.8,0.9]"])
+    assert cfg.recipe == "dms_smollm2_cr4" and cfg.model.backbone == "smollm2-135m"
+    assert (cfg.trainer.max_steps, cfg.gate.dms.window, cfg.optim.betas) == (7, 8, [0.8, 0.9])
+    assert cfg.output_dir == "outputs/dms_smollm2_cr4"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["recipe=nope"], r"unknown recipe 'nope'; available recipes: .*dms_smollm2_cr4"),
+    (["optim.lrr=1"], r"unknown key 'optim.lrr'; did you mean 'lr'\? valid keys here: .*betas"),
+    (["trainer.max_steps=ten"], r"trainer.max_steps.*ten"),
+    (["gate.dms.window=-1"], r"gate.dms.window=-1 is invalid"),
+    (["schedule.cr_final=0.5"], r"schedule.cr_final=0.5 is invalid; a compression ratio is >= 1"),
+    (["gate.dms.window=300"], r"gate.dms.window=300 leaves nothing to evict.*max_length=256"),
+    (["gate.kind=h2o"], r"gate.kind='h2o' is invalid; valid: 'dms', 'trimkv'"),
+    (["strategy.zero_stage=4"], r"strategy.zero_stage=4 is invalid"),
+    (["recipe=trimkv_smollm2_m128", "gate.trimkv.budget=0"], r"budget=0 is invalid"),
+    (["trainer.max_steps"], r"not key=value"),
+    (["--fast"], r"unknown option"),
+])
+def test_bad_input_is_named(args, message, capsys):
+    assert train_main(args) == 2
+    import re
+
+    assert re.search(message, capsys.readouterr().err), args
+
+
+def test_help_lists_recipes(capsys):
+    assert train_main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "dms_qwen7b_cr8" in out and "--dry-run" in out
+
+
+def test_other_clis_have_help():
+    import subprocess
+    import sys
+
+    for module, word in (("eval", "quick"), ("checkpoints", "list")):
+        done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True)
+        assert done.returncode == 0 and word in done.stdout
+
+
+def test_resolved_config_round_trips():
+    from omegaconf import OmegaConf
+
+    from train.config import RunConfig, to_yaml
+
+    cfg = load_recipe("trimkv_smollm2_m128")
+    again = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(to_yaml(cfg))))
+    assert again == cfg
+
+
+def test_impossible_backbone_length_is_caught_by_dry_run():
+    from train.run import dry_run
+
+    cfg = load_recipe("dms_llama1b_cr4", ["data.max_length=200000"])
+    with pytest.raises(RecipeError, match="max_position_embeddings"):
+        dry_run(cfg)

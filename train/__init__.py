@@ -1,0 +1,1 @@
+"""The retrofit trainer: recipes, the Lightning module, losses, schedules, strategies."""

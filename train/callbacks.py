@@ -1,0 +1,52 @@
+"""Training callbacks: a gate snapshot at every integer CR reached (the CR family) and at the end."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import lightning as L
+from omegaconf import OmegaConf
+
+from checkpoints import save_snapshot
+from train.schedule import schedule_at
+
+
+def snapshot_meta(cfg, step: int, cr: float) -> dict:
+    return {
+        "backbone": cfg.model.backbone,
+        "dtype": cfg.model.dtype,
+        "backbone_mode": cfg.model.backbone_mode,
+        "lora": dataclasses.asdict(cfg.model.lora) if cfg.model.backbone_mode == "lora" else None,
+        "gate_kind": cfg.gate.kind,
+        "gate_settings": cfg.gate.settings(),
+        "cr": cr,
+        "step": step,
+        "recipe": cfg.recipe,
+        "config": OmegaConf.to_container(OmegaConf.structured(cfg)),
+    }
+
+
+class CRFamilySnapshots(L.Callback):
+    """Writes snapshots/cr{k} when the CR schedule first reaches integer k, and snapshots/final at the end."""
+
+    def __init__(self, output_dir: str | Path):
+        self.root = Path(output_dir) / "snapshots"
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == 0 or (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return
+        cfg = module.cfg
+        done = trainer.global_step  # optimizer steps completed; the last one trained against CR(done - 1)
+        previous = schedule_at(done - 2, cfg.schedule).cr if done >= 2 else 1.0
+        current = schedule_at(done - 1, cfg.schedule).cr
+        crossed = [k for k in range(2, math.floor(current + 1e-9) + 1) if previous + 1e-9 < k <= current + 1e-9]
+        if cfg.gate.kind == "dms" and trainer.is_global_zero:
+            for k in crossed:
+                save_snapshot(module.model, self.root / f"cr{k}", snapshot_meta(cfg, done, float(k)))
+
+    def on_train_end(self, trainer, module):
+        if trainer.is_global_zero:
+            cr = schedule_at(max(trainer.global_step - 1, 0), module.cfg.schedule).cr
+            save_snapshot(module.model, self.root / "final", snapshot_meta(module.cfg, trainer.global_step, cr))

@@ -1,0 +1,160 @@
+"""The retrofit LightningModule: teacher pass (same weights, gates off), student pass (gates training),
+distillation + capacity loss under an annealed compression ratio."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import lightning as L
+import torch
+
+import models
+from models.gates import GateMode
+from models.trainable import configure_backbone, trainable_parameters
+from train.config import RunConfig, total_steps
+from train.losses import chunked_distillation, dms_capacity_loss, trimkv_capacity_loss
+from train.schedule import schedule_at
+
+
+def build_gated_model(cfg: RunConfig, tokenizer_too: bool = True):
+    """Backbone + gates + trainable set, as the recipe says."""
+    model, tokenizer = models.load_backbone(cfg.model.backbone, dtype=cfg.model.dtype)
+    models.attach_gates(model, cfg.gate.kind, **cfg.gate.settings())
+    lora = None
+    if cfg.model.backbone_mode == "lora":
+        lora = {k: v for k, v in vars(cfg.model.lora).items()}
+    model = configure_backbone(model, cfg.model.backbone_mode, lora=lora)
+    if cfg.model.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return (model, tokenizer) if tokenizer_too else model
+
+
+def causal_lm_parts(model):
+    """(decoder, lm_head) of a causal LM, also under a peft wrapper."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder(), base.get_output_embeddings()
+
+
+class RetrofitModule(L.LightningModule):
+    def __init__(self, cfg: RunConfig, model=None, teacher=None):
+        super().__init__()
+        self.cfg = cfg
+        self.model = model if model is not None else build_gated_model(cfg, tokenizer_too=False)
+        # a full fine-tune changes the backbone, so the teacher is a separate frozen copy kept outside the
+        # module's parameters (and so outside any DeepSpeed engine: ZeRO-3 would otherwise partition it)
+        self._teacher = [teacher] if teacher is not None else []
+        self.gate_state = models.gate_state(self.model)
+        self._base_tau = self.cfg.gate.dms.tau if cfg.gate.kind == "dms" else None
+        self._tokens_seen = 0
+        self._clock = None
+
+    # ---- forward passes -------------------------------------------------------------------------
+    def _hidden(self, model, batch):
+        decoder, _ = causal_lm_parts(model)
+        return decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+
+    def teacher_hidden(self, batch) -> torch.Tensor:
+        with torch.no_grad():
+            if self._teacher:
+                return self._hidden(self._teacher[0].to(self.device), batch)
+            with models.gate_mode(self.model, GateMode.OFF), self._adapters_off():
+                return self._hidden(self.model, batch)
+
+    def _adapters_off(self):
+        import contextlib
+
+        return self.model.disable_adapter() if hasattr(self.model, "disable_adapter") else contextlib.nullcontext()
+
+    def losses(self, batch, step: int, micro_batch: int = 0, mode: GateMode = GateMode.TRAIN) -> dict[str, torch.Tensor]:
+        cfg = self.cfg
+        sched = schedule_at(step, cfg.schedule, self._base_tau)
+        state = self.gate_state
+        state.step, state.neuron_keep, state.tau = step, sched.neuron_keep, sched.tau
+        state.noise_seed = (cfg.seed * 65_537 + self.global_rank) * 4_099 + micro_batch
+        teacher = self.teacher_hidden(batch)
+        with models.gate_mode(self.model, mode):
+            student = self._hidden(self.model, batch)
+            outputs = models.gate_outputs(self.model)
+        _, head = causal_lm_parts(self.model)
+        mask = batch["loss_mask"] * batch["attention_mask"]
+        kl, nll = chunked_distillation(head, student, teacher, mask, batch["input_ids"], cfg.loss.kl_direction,
+                                       cfg.loss.temperature, cfg.loss.chunk_tokens)
+        out = {"kl": kl, "nll": nll, "cr_target": torch.tensor(sched.cr)}
+        if cfg.gate.kind == "dms":
+            capacity, achieved = dms_capacity_loss([o["evict_hard"] for o in outputs], batch["attention_mask"],
+                                                   sched.eviction_target)
+            out.update(capacity=capacity, evict_fraction=achieved, evict_target=torch.tensor(sched.eviction_target))
+        else:
+            capacity = trimkv_capacity_loss([o["occupancy"] for o in outputs], batch["attention_mask"],
+                                            cfg.gate.trimkv.budget)
+            occ = torch.stack([o["occupancy"].detach().float().mean() for o in outputs]).mean()
+            out.update(capacity=capacity, occupancy=occ)
+        out["loss"] = cfg.loss.kl_weight * kl + cfg.loss.ntp_weight * nll + cfg.loss.capacity_weight * capacity
+        out["per_layer"] = models.gate_statistics(self.model, batch["attention_mask"])
+        return out
+
+    # ---- Lightning hooks ------------------------------------------------------------------------
+    def training_step(self, batch, batch_idx):
+        if self._clock is None:
+            self._clock = time.perf_counter()
+        micro = batch_idx % self.trainer.accumulate_grad_batches
+        out = self.losses(batch, self.global_step, micro)
+        self._tokens_seen += int(batch["attention_mask"].sum())
+        elapsed = max(time.perf_counter() - self._clock, 1e-9)
+        bar = {"loss": out["loss"], "kl": out["kl"], "cr": out["cr_target"]}
+        if "evict_fraction" in out:
+            bar["evict"] = out["evict_fraction"]
+        self.log_dict({f"train/{k}": v for k, v in bar.items()}, prog_bar=True, on_step=True, batch_size=batch["input_ids"].shape[0])
+        extra = {"train/capacity": out["capacity"], "train/nll": out["nll"], "train/tokens_per_s": self._tokens_seen / elapsed}
+        for key in ("evict_target", "occupancy"):
+            if key in out:
+                extra[f"train/{key}"] = out[key]
+        for name, table in out["per_layer"].items():
+            for layer, value in enumerate(table.mean(-1)):
+                extra[f"layers/{name}_{layer:02d}"] = value
+        self.log_dict(extra, on_step=True, batch_size=batch["input_ids"].shape[0])
+        self._log_histograms(out["per_layer"])
+        return out["loss"]
+
+    def _log_histograms(self, per_layer):
+        logger = self.logger
+        every = max(self.trainer.log_every_n_steps * 10, 1)
+        if logger is None or not hasattr(logger.experiment, "add_histogram") or self.global_step % every:
+            return
+        for name, table in per_layer.items():
+            logger.experiment.add_histogram(f"gates/{name}", table.float().flatten(), self.global_step)
+
+    def validation_step(self, batch, batch_idx):
+        """Held-out KL with hard decisions: what inference will do."""
+        out = self.losses(batch, self.global_step, mode=GateMode.INFER)
+        size = batch["input_ids"].shape[0]
+        self.log("val/kl", out["kl"], batch_size=size, sync_dist=True)
+        self.log("val/loss", out["loss"], batch_size=size, sync_dist=True)
+
+    def configure_optimizers(self):
+        opt = self.cfg.optim
+        params = trainable_parameters(self.model)
+        optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay)
+        warmup = opt.warmup_steps
+        lam = (lambda s: min(1.0, (s + 1) / warmup)) if warmup > 0 else (lambda s: 1.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lam)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def state_dict(self, *args, **kwargs):
+        """Checkpoints hold only what trains: gates (+ LoRA / neuron rows), not a frozen backbone copy."""
+        full = super().state_dict(*args, **kwargs)
+        if self.cfg.model.backbone_mode == "full":
+            return full
+        trainable = {f"model.{n}" for n, p in self.model.named_parameters() if p.requires_grad}
+        return {k: v for k, v in full.items() if k in trainable}
+
+    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
+        return super().load_state_dict(state_dict, strict=self.cfg.model.backbone_mode == "full" and strict, **kwargs)
+
+    @property
+    def total_steps(self) -> int:
+        return total_steps(self.cfg)
+
+    def integer_crs(self) -> list[int]:
+        return list(range(2, math.floor(self.cfg.schedule.cr_final) + 1))

@@ -1,0 +1,65 @@
+"""Lightning strategies from the recipe: single device, DDP, DeepSpeed ZeRO (also on CPU for tests)."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, Strategy
+
+from train.config import RecipeError
+
+
+class CPUDeepSpeedStrategy(DeepSpeedStrategy):
+    """Lightning's DeepSpeed strategy refuses CPUs; DeepSpeed itself runs ZeRO on CPU over gloo.
+
+    Used for multi-process tests on machines without a GPU; a GPU run uses the stock strategy.
+    """
+
+    def setup_environment(self) -> None:
+        Strategy.setup_environment(self)  # skip the CUDA-only accelerator check
+        self.setup_distributed()
+
+    def setup_distributed(self) -> None:
+        import deepspeed
+
+        self._init_deepspeed_distributed = lambda: None
+        self.set_world_ranks()
+        if not torch.distributed.is_initialized():
+            deepspeed.init_distributed("gloo", distributed_port=self.cluster_environment.main_port)
+        self._set_node_environment_variables()
+
+    @property
+    def root_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+def deepspeed_config(cfg) -> dict:
+    s = cfg.strategy
+    zero: dict = {"stage": s.zero_stage, "contiguous_gradients": True, "overlap_comm": True}
+    if s.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if s.offload_parameters:
+        if s.zero_stage != 3:
+            raise RecipeError(f"strategy.offload_parameters needs strategy.zero_stage=3, not {s.zero_stage}")
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "zero_optimization": zero,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "train_micro_batch_size_per_gpu": cfg.data.batch_size,
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def build_strategy(cfg, accelerator: str) -> Strategy | str:
+    name = cfg.strategy.name
+    cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    if name == "auto":
+        return "auto"
+    if name == "single":
+        return SingleDeviceStrategy(device=torch.device("cpu" if cpu else "cuda:0"))
+    if name == "ddp":
+        return DDPStrategy(process_group_backend="gloo" if cpu else "nccl")
+    if name == "deepspeed":
+        # ZeRO-3 with a full fine-tune works because the separate teacher lives outside the engine
+        cls = CPUDeepSpeedStrategy if cpu else DeepSpeedStrategy
+        return cls(config=deepspeed_config(cfg))
+    raise RecipeError(f"strategy.name={name!r} is invalid; valid: auto, single, ddp, deepspeed")
