@@ -37,7 +37,9 @@ def tokenize(ds: datasets.Dataset, tokenizer, mask_prompt: bool) -> datasets.Dat
         prompts = tokenizer(rows["prompt_text"], add_special_tokens=False)["input_ids"] if mask_prompt else None
         loss = []
         for i, seq in enumerate(ids):
-            skip = len(prompts[i]) if prompts is not None else 0
+            # loss_mask[t] = 1: the distribution at t (predicting t + 1) is trained; with a prompt mask
+            # that starts at the prompt's last token, which predicts the first completion token
+            skip = max(len(prompts[i]) - 1, 0) if prompts is not None else 0
             loss.append([0] * min(skip, len(seq)) + [1] * max(len(seq) - skip, 0))
         return {"input_ids": ids, "loss_mask": loss}
 

@@ -42,3 +42,15 @@ def smollm2():
     from models import load_backbone
 
     return load_backbone("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """SmolLM2's real tokenizer (with its chat template), from the embedded model's cache folder."""
+    from transformers import AutoTokenizer
+
+    from models.backbone import embedded_model_dir
+
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir())
+    tok.pad_token = tok.pad_token or tok.eos_token
+    return tok

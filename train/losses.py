@@ -40,8 +40,8 @@ def chunked_distillation(head: torch.nn.Module, student_hidden: torch.Tensor, te
                          temperature: float = 1.0, chunk_tokens: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean KL over masked tokens and mean next-token NLL, from hidden states [B, T, H].
 
-    loss_mask [B, T] marks positions whose next-token distribution is distilled. The NLL target of
-    position t is input_ids[t + 1] (none for the last position).
+    loss_mask [B, T] marks positions whose next-token distribution is distilled (0 on padding). The NLL
+    target of a marked position t is input_ids[t + 1] when that token is marked too (real, not padding).
     """
     labels = torch.full_like(input_ids, -100)
     labels[:, :-1] = input_ids[:, 1:].masked_fill(loss_mask[:, 1:] == 0, -100)

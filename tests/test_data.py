@@ -1,0 +1,108 @@
+"""Data sources, rendering and packing, on small fixtures made here and on the real offline corpora."""
+
+import json
+import types
+
+import datasets
+import pytest
+
+from data import DataError, RetrofitDataModule, StepSampler, load_source, prepare
+from train.config import DataConfig
+
+
+def cfg(**kw):
+    return DataConfig(**{"train_samples": -1, "eval_samples": 0, "max_length": 32, **kw})
+
+
+@pytest.fixture
+def openr1_files(tmp_path):
+    rows = [
+        {"problem": "What is 2+3?", "answer": "5", "generations": ["2+3 = \\boxed{5}", "I think \\boxed{6}"]},
+        {"problem": "What is 10/4?", "answer": "\\frac{5}{2}", "generations": ["It is \\boxed{2.5}", "\\boxed{\\frac{5}{2}}"]},
+        {"problem": "Name a prime > 10", "answer": "11", "generations": ["\\boxed{9}"]},
+    ]
+    path = tmp_path / "openr1.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def test_openr1_keeps_only_math_verified_generations(openr1_files):
+    ds = load_source(cfg(source="openr1", path=str(openr1_files)), seed=0, num_rows=-1)
+    kept = sorted(ds["completion"])
+    assert kept == sorted(["2+3 = \\boxed{5}", "It is \\boxed{2.5}", "\\boxed{\\frac{5}{2}}"])
+    assert set(ds.column_names) == {"prompt", "completion", "answer"}
+
+
+def test_openr1_filter_to_nothing_is_a_clear_error(tmp_path, tokenizer):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"problem": "1+1?", "answer": "2", "generations": ["\\boxed{3}"]}))
+    raw = load_source(cfg(source="openr1", path=str(path)), seed=0, num_rows=-1)
+    with pytest.raises(DataError, match="has no rows"):
+        prepare(raw, tokenizer, cfg(source="openr1"), "train")
+
+
+def test_local_text_files_and_missing_column(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"body": "hello world"}) + "\n" + json.dumps({"body": "more"}))
+    ds = load_source(cfg(source="files", path=str(tmp_path / "a.jsonl"), text_column="body"), 0, -1)
+    assert ds["text"] == ["hello world", "more"]
+    with pytest.raises(DataError, match=r"text_column='text' is not a column.*\['body'\]"):
+        load_source(cfg(source="files", path=str(tmp_path / "a.jsonl")), 0, -1)
+    (tmp_path / "b.txt").write_text("line one\nline two\n")
+    txt = load_source(cfg(source="files", path=str(tmp_path / "b.txt")), 0, -1)
+    assert txt["text"] == ["line one", "line two"]
+
+
+def test_packing_joins_documents_with_eos_and_masks_prompts(tokenizer):
+    raw = datasets.Dataset.from_list([{"prompt": f"Question {i}?", "completion": "Answer " * 5} for i in range(12)])
+    packed = prepare(raw, tokenizer, cfg(source="hf", mask_prompt=True, max_length=48), "train")
+    assert all(len(r["input_ids"]) == 48 for r in packed)
+    flat = [t for r in packed for t in r["input_ids"]]
+    assert flat.count(tokenizer.eos_token_id) >= 1
+    counts = eval(packed.info.description)
+    assert counts["rows_in"] == 12 and counts["sequences"] == len(packed) and counts["tokens"] == 48 * len(packed)
+    row = packed[0]
+    user = tokenizer.apply_chat_template([{"role": "user", "content": "Question 0?"}], tokenize=False, add_generation_prompt=True)
+    n_prompt = len(tokenizer(user, add_special_tokens=False)["input_ids"])
+    assert row["loss_mask"][: n_prompt - 1] == [0] * (n_prompt - 1)  # prompt positions do not train ...
+    assert row["loss_mask"][n_prompt - 1] == 1  # ... except the last, which predicts the first answer token
+
+
+def test_padding_mode_drops_or_truncates_too_long(tokenizer):
+    raw = datasets.Dataset.from_list([{"text": "short text"}, {"text": "word " * 200}])
+    padded = prepare(raw, tokenizer, cfg(source="hf", packing=False, too_long="truncate"), "train")
+    assert len(padded) == 2 and sum(padded[0]["attention_mask"]) < 32 and padded[0]["loss_mask"][-1] == 0
+    dropped = prepare(raw, tokenizer, cfg(source="hf", packing=False, too_long="drop"), "train")
+    assert len(dropped) == 1 and eval(dropped.info.description)["dropped"] == 1
+    only_long = datasets.Dataset.from_list([{"text": "word " * 200}])
+    with pytest.raises(DataError, match="no rows are left"):
+        prepare(only_long, tokenizer, cfg(source="hf", packing=False, too_long="drop"), "train")
+
+
+def test_chat_template_required_but_missing(tokenizer):
+    raw = datasets.Dataset.from_list([{"prompt": "q", "completion": "a"}])
+    bare = types.SimpleNamespace(chat_template=None, name_or_path="bare-tokenizer")
+    with pytest.raises(DataError, match="'bare-tokenizer' has no chat template"):
+        prepare(raw, bare, cfg(source="hf"), "train")
+
+
+def test_step_sampler_is_deterministic_strided_and_resumable():
+    full = StepSampler(10, seed=3, rank=0, world=1, batch_size=2)
+    first = [i for _, i in zip(range(25), iter(full))]
+    assert sorted(first[:10]) == list(range(10)) and first[:10] != first[10:20]
+    resumed = StepSampler(10, seed=3, rank=0, world=1, batch_size=2, start_batches=4)
+    assert [i for _, i in zip(range(17), iter(resumed))] == first[8:25]
+    r0 = [i for _, i in zip(range(5), iter(StepSampler(10, 3, 0, 2, 1)))]
+    r1 = [i for _, i in zip(range(5), iter(StepSampler(10, 3, 1, 2, 1)))]
+    assert sorted(r0 + r1) == list(range(10))
+
+
+def test_real_offline_corpora(tokenizer, tmp_path):
+    gsm = load_source(cfg(source="gsm_symbolic"), seed=1, num_rows=6)
+    assert len(gsm) == 6 and all("####" in c or c for c in gsm["completion"]) and gsm["answer"][0]
+    essays = load_source(cfg(source="essays"), seed=0, num_rows=5)
+    assert len(essays) == 5 and all(len(t) > 2000 for t in essays["text"])
+    module = RetrofitDataModule(cfg(source="gsm_symbolic", train_samples=8, eval_samples=2, max_length=64), tokenizer, 0, tmp_path)
+    module.setup()
+    assert len(module.train_set) > 0 and len(module.eval_set) > 0
+    batch = next(iter(module.val_dataloader()))
+    assert batch["input_ids"].shape[1] == 64
