@@ -76,6 +76,7 @@ class RetrofitModule(L.LightningModule):
         with models.gate_mode(self.model, mode):
             student = self._hidden(self.model, batch)
             outputs = models.gate_outputs(self.model)
+            per_layer = models.gate_statistics(self.model, batch["attention_mask"])
         _, head = causal_lm_parts(self.model)
         mask = batch["loss_mask"] * batch["attention_mask"]
         kl, nll = chunked_distillation(head, student, teacher, mask, batch["input_ids"], cfg.loss.kl_direction,
@@ -91,7 +92,7 @@ class RetrofitModule(L.LightningModule):
             occ = torch.stack([o["occupancy"].detach().float().mean() for o in outputs]).mean()
             out.update(capacity=capacity, occupancy=occ)
         out["loss"] = cfg.loss.kl_weight * kl + cfg.loss.ntp_weight * nll + cfg.loss.capacity_weight * capacity
-        out["per_layer"] = models.gate_statistics(self.model, batch["attention_mask"])
+        out["per_layer"] = per_layer
         return out
 
     # ---- Lightning hooks ------------------------------------------------------------------------

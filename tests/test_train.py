@@ -1,0 +1,111 @@
+"""The retrofit trainer end to end on a tiny random Llama with SmolLM2's tokenizer."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from train.config import load_recipe
+from train.run import train
+
+
+@pytest.fixture(scope="module")
+def tiny_backbone(tmp_path_factory, tokenizer):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def overrides(backbone, out, **extra):
+    base = {"model.backbone": backbone, "output_dir": str(out), "data.max_length": 48, "data.train_samples": 24,
+            "data.eval_samples": 4, "schedule.steps_per_cr": 2, "schedule.hold_steps": 1, "trainer.max_steps": -1,
+            "trainer.checkpoint_every_n_steps": 2, "trainer.enable_progress_bar": "false", "trainer.val_check_interval": 7,
+            "gate.dms.window": 4, "optim.lr": 1e-2}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def scalars(out, tag):
+    values = {}
+    for path in sorted(glob.glob(f"{out}/tensorboard/events*")):
+        acc = EventAccumulator(path)
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            values.update({e.step: e.value for e in acc.Scalars(tag)})
+    return values
+
+
+@pytest.mark.ci
+def test_default_recipe_trains_and_writes_the_cr_family(tiny_backbone, tmp_path):
+    cfg = load_recipe("dms_smollm2_cr4", overrides(tiny_backbone, tmp_path / "run"))
+    summary = train(cfg)
+    out = tmp_path / "run"
+    assert summary["steps"] == 7  # (4 - 1) * 2 ramp + 1 hold
+    assert (out / "config.yaml").is_file() and (out / "summary.json").is_file()
+    assert sorted(p.name for p in (out / "snapshots").iterdir()) == ["cr2", "cr3", "cr4", "final"]
+    meta = json.loads((out / "snapshots" / "cr3" / "retrokv.json").read_text())
+    assert meta["cr"] == 3.0 and meta["gate_kind"] == "dms" and meta["step"] == 5
+    cr = scalars(out, "train/cr")
+    assert cr[0] == pytest.approx(1.0) and cr[6] == pytest.approx(4.0)
+    assert {"train/kl", "train/capacity", "train/evict", "layers/evict_fraction_00", "val/kl"} <= set(
+        EventAccumulator(glob.glob(f"{out}/tensorboard/events*")[0]).Reload().Tags()["scalars"])
+    # the quick evaluation reads the final snapshot back and reports on the held-out split
+    from eval.quick import quick_eval
+
+    result = quick_eval(out)
+    assert result["kv_reads_gated"] <= result["kv_reads_full"] and result["ppl_full"] > 1
+    # a second run into the same folder is refused rather than overwriting it
+    from train.config import RecipeError
+
+    with pytest.raises(RecipeError, match="resume=auto"):
+        train(cfg)
+
+
+def test_trimkv_and_lora_recipes_train(tiny_backbone, tmp_path):
+    cfg = load_recipe("trimkv_smollm2_m128", overrides(tiny_backbone, tmp_path / "t", **{
+        "trainer.max_steps": 3, "gate.trimkv.budget": 8, "gate.trimkv.hidden": 16, "data.chat_template": "false"}))
+    assert train(cfg)["steps"] == 3
+    occupancy = scalars(tmp_path / "t", "train/occupancy")
+    assert len(occupancy) == 3 and all(v > 0 for v in occupancy.values())
+    lora = load_recipe("dms_smollm2_cr4", overrides(tiny_backbone, tmp_path / "l", **{
+        "model.backbone_mode": "lora", "trainer.max_steps": 2, "model.lora.target_modules": "[q_proj,v_proj]"}))
+    assert train(lora)["steps"] == 2
+    from checkpoints import load_snapshot
+
+    model, _, meta = load_snapshot(tmp_path / "l" / "snapshots" / "final")
+    assert meta["backbone_mode"] == "lora" and any("lora_A" in n for n, _ in model.named_parameters())
+
+
+def test_killed_run_resumes_with_identical_losses(tiny_backbone, tmp_path):
+    """SIGKILL a run once it has a checkpoint; resume=auto must reproduce the uninterrupted losses."""
+    steps = 10
+    straight = tmp_path / "straight"
+    train(load_recipe("dms_smollm2_cr4", overrides(tiny_backbone, straight, **{"trainer.max_steps": steps})))
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "train", *overrides(tiny_backbone, killed, **{"trainer.max_steps": 200})]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not list((killed / "checkpoints").glob("step*.ckpt")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = int(sorted((killed / "checkpoints").glob("step*.ckpt"))[-1].stem[4:])
+    assert done_before < steps, "the run must be killed part-way"
+    train(load_recipe("dms_smollm2_cr4", overrides(tiny_backbone, killed, **{"trainer.max_steps": steps, "resume": "auto"})))
+    expected, resumed = scalars(straight, "train/loss"), scalars(killed, "train/loss")
+    after = [s for s in range(done_before, steps)]
+    assert after and all(resumed[s] == pytest.approx(expected[s], rel=1e-5, abs=1e-6) for s in after), (expected, resumed)
