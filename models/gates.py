@@ -289,7 +289,8 @@ class TrimKVGate(KVGate):
     def attention_bias(self, valid, q_len, k_len, dtype, as_score_mod=False):
         log_beta = self._sequence_values(q_len, k_len)
         distance = masks.query_key_distance(q_len, k_len, log_beta.device)
-        self.outputs = {"log_beta": log_beta, "occupancy": masks.trimkv_occupancy(log_beta, valid, distance)}
+        decay = masks.trimkv_bias(log_beta, distance)  # [B, Hkv, Tq, Tk], shared by occupancy and bias
+        self.outputs = {"log_beta": log_beta, "occupancy": masks.occupancy_from_decay(decay, valid)}
         low, past = masks.masked_value(dtype), k_len - q_len
         if self.multiplicative:
             return _visible_to_bias(valid, dtype)  # the decay multiplies logits in the eager path instead
@@ -302,8 +303,7 @@ class TrimKVGate(KVGate):
                     return torch.where(valid[b, 0, q, kv], decayed, low)
 
                 return decay_mod
-            bias = masks.trimkv_bias(log_beta, distance)
-            return bias.to(dtype).masked_fill(~valid, low)
+            return decay.to(dtype).masked_fill(~valid, low)
         visible = masks.trimkv_topk_visible(log_beta, valid, distance, self.settings.budget)
         bias = _visible_to_bias(visible, dtype)
         if as_score_mod:

@@ -42,10 +42,9 @@ def trimkv_bias(log_beta: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
     return distance.clamp(min=0).to(log_beta.dtype) * log_beta[:, :, None, :]
 
 
-def trimkv_occupancy(log_beta: torch.Tensor, valid: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
-    """Expected kept tokens at each query: sum over visible keys of beta_i ** (t - i). Shape [B, Hkv, Tq]."""
-    retention = torch.exp(trimkv_bias(log_beta, distance))
-    return (retention * valid).sum(-1)
+def occupancy_from_decay(decay: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Expected kept tokens at each query: sum over visible keys of beta_i ** (t - i) = exp(decay). [B, Hkv, Tq]."""
+    return torch.exp(decay.masked_fill(~valid, float("-inf"))).sum(-1)
 
 
 def trimkv_topk_visible(log_beta: torch.Tensor, valid: torch.Tensor, distance: torch.Tensor, budget: int) -> torch.Tensor:

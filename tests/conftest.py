@@ -1,8 +1,12 @@
 """Shared fixtures: tiny random GQA models of every supported family, and the real SmolLM2 (slow)."""
 
-import pytest
-import torch
-from transformers import (
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub; set before transformers is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import (  # noqa: E402
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
