@@ -67,9 +67,9 @@ def quick_eval(snapshot: str | Path, max_batches: int | None = None) -> dict:
     for batch in tqdm(batches, desc="eval", unit="batch"):
         mask = batch["attention_mask"]
         with models.gate_mode(model, GateMode.OFF):
-            full = model(input_ids=batch["input_ids"], attention_mask=mask).logits.float()
+            full = model(input_ids=batch["input_ids"], attention_mask=mask, use_cache=False).logits.float()
         with models.gate_mode(model, GateMode.INFER):
-            gated = model(input_ids=batch["input_ids"], attention_mask=mask).logits.float()
+            gated = model(input_ids=batch["input_ids"], attention_mask=mask, use_cache=False).logits.float()
             outputs = models.gate_outputs(model)
         real = mask.bool()
         totals["kl"] += float(token_kl(gated[real], full[real], "forward", 1.0).sum())

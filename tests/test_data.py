@@ -106,3 +106,24 @@ def test_real_offline_corpora(tokenizer, tmp_path):
     assert len(module.train_set) > 0 and len(module.eval_set) > 0
     batch = next(iter(module.val_dataloader()))
     assert batch["input_ids"].shape[1] == 64
+
+
+def test_self_generated_traces_are_batched_saved_and_reused(tokenizer, tmp_path):
+    from data.traces import generate_traces
+    from tests.conftest import tiny_model
+
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    prompts = [f"What is {i} plus {i}?" for i in range(5)]
+    out = tmp_path / "traces"
+    ds = generate_traces(model, tokenizer, prompts, out, max_new_tokens=6, batch_size=2)
+    assert ds["prompt"] == prompts and all(isinstance(c, str) for c in ds["completion"])
+    # generation is batched with left padding: each answer equals the one generated alone
+    alone = generate_traces(model, tokenizer, prompts[3:4], tmp_path / "alone", max_new_tokens=6, batch_size=1)
+    assert alone["completion"][0] == ds["completion"][3]
+    again = generate_traces(model, tokenizer, ["ignored"], out)  # reused, not regenerated
+    assert again["prompt"] == prompts
+    rows = load_source(cfg(source="traces", path=str(out)), seed=0, num_rows=-1)
+    packed = prepare(rows, tokenizer, cfg(source="traces", max_length=16), "train")
+    assert len(packed) >= 1
+    with pytest.raises(DataError, match="must be a folder written by"):
+        load_source(cfg(source="traces", path=str(tmp_path / "nope")), seed=0, num_rows=-1)

@@ -52,7 +52,7 @@ class RetrofitModule(L.LightningModule):
     # ---- forward passes -------------------------------------------------------------------------
     def _hidden(self, model, batch):
         decoder, _ = causal_lm_parts(model)
-        return decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        return decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).last_hidden_state
 
     def teacher_hidden(self, batch) -> torch.Tensor:
         with torch.no_grad():
