@@ -39,7 +39,8 @@ class GateState:
 
     mode: GateMode = GateMode.OFF
     step: int = 0  # seeds the DMS noise together with noise_seed and the layer index
-    noise_seed: int = 0  # the trainer folds rank and micro-batch in, so resumed runs draw the same noise
+    noise_seed: int = 0  # the run's seed: with step, layer and global row it fixes every noise draw
+    row_offset: int = 0  # global index of this micro-batch's first row (rank and micro-batch folded in)
     neuron_keep: float = 0.0  # DMS query-neuron fade: 1 at the start of warm-up, 0 once it is repurposed
     tau: float | None = None  # overrides the settings' temperature when the trainer anneals it
 
@@ -229,7 +230,8 @@ class DMSGate(KVGate):
         w, past, low = self.settings.window, k_len - q_len, masks.masked_value(dtype)
         if self.state.mode is GateMode.TRAIN:
             tau = self.state.tau or self.settings.tau
-            noise = masks.dms_logistic_noise(logit.shape, self._noise_generator(logit.device), logit.device, logit.dtype)
+            noise = torch.stack([masks.dms_logistic_noise(logit.shape[1:], self._noise_generator(logit.device, row),
+                                                          logit.device, logit.dtype) for row in range(logit.shape[0])])
             noisy = (logit + noise) / tau
             soft = torch.sigmoid(noisy)
             hard = (soft > 0.5).to(soft.dtype) - soft.detach() + soft
@@ -259,9 +261,12 @@ class DMSGate(KVGate):
         visible = valid & masks.dms_hard_visible(evicted, distance, w)
         return _visible_to_bias(visible, dtype)
 
-    def _noise_generator(self, device) -> torch.Generator:
-        seed = ((self.state.noise_seed * 1_000_003 + self.state.step) * 1009 + self.layer_idx) % (2**63 - 1)
-        return torch.Generator(device=device).manual_seed(seed)
+    def _noise_generator(self, device, row: int) -> torch.Generator:
+        """Noise keyed by (seed, step, layer, global row): a row draws the same noise whatever the batch
+        size, rank count or accumulation that delivers it, and a resumed run draws it again."""
+        key = (((self.state.noise_seed * 1_000_003 + self.state.step) * 1009 + self.layer_idx) * 100_003
+               + self.state.row_offset + row)
+        return torch.Generator(device=device).manual_seed(key % (2**63 - 1))
 
 
 class TrimKVGate(KVGate):

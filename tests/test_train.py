@@ -109,3 +109,18 @@ def test_killed_run_resumes_with_identical_losses(tiny_backbone, tmp_path):
     expected, resumed = scalars(straight, "train/loss"), scalars(killed, "train/loss")
     after = [s for s in range(done_before, steps)]
     assert after and all(resumed[s] == pytest.approx(expected[s], rel=1e-5, abs=1e-6) for s in after), (expected, resumed)
+
+
+def test_two_process_ddp_matches_one_process_on_the_same_global_batch(tiny_backbone, tmp_path):
+    """2 CPU processes (gloo), micro-batch 1 each == 1 process, batch 2: same data, noise and losses."""
+    common = {"trainer.max_steps": 4, "trainer.accelerator": "cpu", "trainer.val_check_interval": 100}
+    single = tmp_path / "single"
+    train(load_recipe("dms_smollm2_cr4", overrides(tiny_backbone, single, **common, **{"data.batch_size": 2})))
+    ddp = tmp_path / "ddp"
+    args = overrides(tiny_backbone, ddp, **common, **{"data.batch_size": 1, "trainer.devices": 2, "strategy.name": "ddp"})
+    done = subprocess.run([sys.executable, "-m", "train", *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, two = scalars(single, "train/loss"), scalars(ddp, "train/loss")
+    assert sorted(one) == sorted(two) == [0, 1, 2, 3]
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-4, abs=1e-5), (one, two)

@@ -3,7 +3,6 @@ distillation + capacity loss under an annealed compression ratio."""
 
 from __future__ import annotations
 
-import math
 import time
 
 import lightning as L
@@ -12,7 +11,7 @@ import torch
 import models
 from models.gates import GateMode
 from models.trainable import configure_backbone, trainable_parameters
-from train.config import RunConfig, total_steps
+from train.config import RunConfig
 from train.losses import chunked_distillation, dms_capacity_loss, trimkv_capacity_loss
 from train.schedule import schedule_at
 
@@ -44,6 +43,7 @@ class RetrofitModule(L.LightningModule):
         # a full fine-tune changes the backbone, so the teacher is a separate frozen copy kept outside the
         # module's parameters (and so outside any DeepSpeed engine: ZeRO-3 would otherwise partition it)
         self._teacher = [teacher] if teacher is not None else []
+        self.model.train()  # backbones load in eval mode; dropout settings are the model config's
         self.gate_state = models.gate_state(self.model)
         self._base_tau = self.cfg.gate.dms.tau if cfg.gate.kind == "dms" else None
         self._tokens_seen = 0
@@ -71,7 +71,9 @@ class RetrofitModule(L.LightningModule):
         sched = schedule_at(step, cfg.schedule, self._base_tau)
         state = self.gate_state
         state.step, state.neuron_keep, state.tau = step, sched.neuron_keep, sched.tau
-        state.noise_seed = (cfg.seed * 65_537 + self.global_rank) * 4_099 + micro_batch
+        state.noise_seed = cfg.seed
+        rows = batch["input_ids"].shape[0]
+        state.row_offset = (micro_batch * self.trainer_world_size + self.global_rank) * rows
         teacher = self.teacher_hidden(batch)
         with models.gate_mode(self.model, mode):
             student = self._hidden(self.model, batch)
@@ -106,7 +108,9 @@ class RetrofitModule(L.LightningModule):
         bar = {"loss": out["loss"], "kl": out["kl"], "cr": out["cr_target"]}
         if "evict_fraction" in out:
             bar["evict"] = out["evict_fraction"]
-        self.log_dict({f"train/{k}": v for k, v in bar.items()}, prog_bar=True, on_step=True, batch_size=batch["input_ids"].shape[0])
+        # averaged over ranks, so a DDP run logs the loss of its global batch, as one process would
+        self.log_dict({f"train/{k}": v for k, v in bar.items()}, prog_bar=True, on_step=True,
+                      batch_size=batch["input_ids"].shape[0], sync_dist=self.trainer_world_size > 1)
         extra = {"train/capacity": out["capacity"], "train/nll": out["nll"], "train/tokens_per_s": self._tokens_seen / elapsed}
         for key in ("evict_target", "occupancy"):
             if key in out:
@@ -154,8 +158,6 @@ class RetrofitModule(L.LightningModule):
         return super().load_state_dict(state_dict, strict=self.cfg.model.backbone_mode == "full" and strict, **kwargs)
 
     @property
-    def total_steps(self) -> int:
-        return total_steps(self.cfg)
+    def trainer_world_size(self) -> int:
+        return self.trainer.world_size if self._trainer is not None else 1
 
-    def integer_crs(self) -> list[int]:
-        return list(range(2, math.floor(self.cfg.schedule.cr_final) + 1))
