@@ -17,6 +17,8 @@ from data.sources import load_source
 
 log = logging.getLogger(__name__)
 
+PREPARED_FORMAT = 2  # bump when data.prepare changes its output, so cached preparations are rebuilt
+
 
 class StepSampler(Sampler[int]):
     """Endless, seeded order over the dataset, strided over ranks, started at a given global offset.
@@ -56,7 +58,8 @@ class RetrofitDataModule(L.LightningDataModule):
         fields = {k: getattr(self.cfg, k) for k in ("source", "path", "split", "text_column", "train_samples",
                                                      "eval_samples", "max_length", "packing", "chat_template",
                                                      "mask_prompt", "too_long")}
-        blob = json.dumps({**fields, "seed": self.seed, "tokenizer": self.tokenizer.name_or_path}, sort_keys=True)
+        blob = json.dumps({**fields, "seed": self.seed, "tokenizer": self.tokenizer.name_or_path,
+                           "format": PREPARED_FORMAT}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def prepare_data(self) -> None:

