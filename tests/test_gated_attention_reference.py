@@ -13,7 +13,7 @@ import torch
 from models.attention import gated_attention
 from models.gates import DMSGate, DMSSettings, GateMode, GateState, TrimKVGate, TrimKVSettings
 
-torch.set_default_dtype(torch.float64)
+F64 = torch.float64  # references and inputs in float64, set per tensor (no global default)
 NEG = float("-inf")
 
 
@@ -23,9 +23,9 @@ def random_case(seed):
     batch, kv_heads, group, length, window = r(1, 3), r(1, 4), r(1, 3), r(1, 300), r(0, 64)
     dim = 8
     heads = kv_heads * group
-    q = torch.randn(batch, heads, length, dim, generator=g)
-    k = torch.randn(batch, kv_heads, length, dim, generator=g)
-    v = torch.randn(batch, kv_heads, length, dim, generator=g)
+    q = torch.randn(batch, heads, length, dim, generator=g, dtype=F64)
+    k = torch.randn(batch, kv_heads, length, dim, generator=g, dtype=F64)
+    v = torch.randn(batch, kv_heads, length, dim, generator=g, dtype=F64)
     pads = [r(0, length - 1) for _ in range(batch)]  # left padding per row
     real = torch.ones(batch, length, dtype=torch.bool)
     for b, p in enumerate(pads):
@@ -45,7 +45,7 @@ def reference_attention(q, k, v, real, bias_of, scores_of=None):
     """softmax(q.k * scale + bias) v, one (batch, head, query) at a time; rows of padding queries are skipped."""
     batch, heads, length, dim = q.shape
     group = heads // k.shape[1]
-    out = torch.zeros(batch, length, heads, dim)
+    out = torch.zeros(batch, length, heads, dim, dtype=F64)
     for b in range(batch):
         for h in range(heads):
             hk = h // group
@@ -58,7 +58,7 @@ def reference_attention(q, k, v, real, bias_of, scores_of=None):
                     if scores_of is not None:
                         s = scores_of(b, hk, t, i, s)
                     scores.append(s + bias_of(b, hk, t, i) if real[b, i] else NEG)
-                w = torch.softmax(torch.tensor(scores), 0)
+                w = torch.softmax(torch.tensor(scores, dtype=F64), 0)
                 out[b, t, h] = w @ v[b, hk, : t + 1]
     return out
 
@@ -82,7 +82,7 @@ def test_dms_soft_mask_matches_reference(seed):
     q, k, v, real, window, config, g = random_case(seed)
     state = GateState(mode=GateMode.TRAIN, noise_seed=seed)
     gate = DMSGate(config, 0, state, DMSSettings(window=window, source="adapter", tau=1.0))
-    gate._current = torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g) * 2
+    gate._current = torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g, dtype=F64) * 2
     out = run_gate(gate, q, k, v, real)
     prob = gate.outputs["evict_prob"]  # the noisy eviction probability, already shifted onto keys
     length = q.shape[2]
@@ -99,7 +99,7 @@ def test_dms_soft_mask_matches_reference(seed):
 def test_dms_hard_mask_matches_reference(seed):
     q, k, v, real, window, config, g = random_case(seed)
     gate = DMSGate(config, 0, GateState(mode=GateMode.INFER), DMSSettings(window=window, source="adapter"))
-    logits = torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g)
+    logits = torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g, dtype=F64)
     gate._current = logits
     out = run_gate(gate, q, k, v, real)
     length = q.shape[2]
@@ -115,7 +115,7 @@ def test_dms_hard_mask_matches_reference(seed):
 def test_trimkv_additive_decay_and_occupancy_match_reference(seed):
     q, k, v, real, _, config, g = random_case(seed)
     gate = TrimKVGate(config, 0, GateState(mode=GateMode.TRAIN), TrimKVSettings(hidden=4))
-    log_beta = torch.nn.functional.logsigmoid(torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g) + 2)
+    log_beta = torch.nn.functional.logsigmoid(torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g, dtype=F64) + 2)
     gate._current = log_beta
     out = run_gate(gate, q, k, v, real)
     assert_close_on_real_queries(out, reference_attention(q, k, v, real, lambda b, hk, t, i: (t - i) * float(log_beta[b, hk, i])), real)
@@ -132,7 +132,7 @@ def test_trimkv_additive_decay_and_occupancy_match_reference(seed):
 def test_trimkv_multiplicative_decay_matches_reference(seed):
     q, k, v, real, _, config, g = random_case(seed)
     gate = TrimKVGate(config, 0, GateState(mode=GateMode.TRAIN), TrimKVSettings(hidden=4, decay="multiplicative"))
-    log_beta = torch.nn.functional.logsigmoid(torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g) + 2)
+    log_beta = torch.nn.functional.logsigmoid(torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g, dtype=F64) + 2)
     gate._current = log_beta
     out = run_gate(gate, q, k, v, real)
     ref = reference_attention(q, k, v, real, lambda b, hk, t, i: 0.0,
@@ -145,7 +145,7 @@ def test_trimkv_hard_topk_matches_reference(seed):
     q, k, v, real, _, config, g = random_case(seed)
     budget = max(1, q.shape[2] // 3)
     gate = TrimKVGate(config, 0, GateState(mode=GateMode.INFER), TrimKVSettings(hidden=4, budget=budget))
-    log_beta = torch.nn.functional.logsigmoid(torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g))
+    log_beta = torch.nn.functional.logsigmoid(torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g, dtype=F64))
     gate._current = log_beta
     out = run_gate(gate, q, k, v, real)
     kept = {}
@@ -162,7 +162,7 @@ def test_trimkv_hard_topk_matches_reference(seed):
 def test_flex_score_mod_path_matches_sdpa_path(monkeypatch):
     """The CUDA path (FlexAttention score_mod) computes the same attention as the CPU SDPA path."""
     q, k, v, real, window, config, g = random_case(3)
-    logits = torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g)
+    logits = torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g, dtype=F64)
     outs = {}
     for backend in ("sdpa", "flex"):
         monkeypatch.setenv("RETROKV_ATTENTION", backend)

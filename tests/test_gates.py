@@ -33,6 +33,7 @@ def test_gates_off_reproduce_the_original_model(family, kind):
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_gates_off_reproduce_smollm2(smollm2):
     model, tokenizer = smollm2
     ids = tokenizer(["The capital of France is", "Once upon a time, in a land far away, there"], return_tensors="pt", padding=True)
