@@ -24,10 +24,22 @@ class SnapshotError(ValueError):
     """A snapshot folder that is missing, incomplete or corrupt."""
 
 
-def save_snapshot(model: torch.nn.Module, folder: str | Path, meta: dict) -> Path:
+def trained_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters as full CPU tensors. Under DeepSpeed ZeRO-3 they are partitioned, so they
+    are gathered first: a collective, so every rank must call this, even if only one writes."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if any(hasattr(p, "ds_id") for _, p in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+            return {n: p.detach().to("cpu").clone() for n, p in params}
+    return {n: p.detach().to("cpu").contiguous() for n, p in params}
+
+
+def save_snapshot(tensors: dict[str, torch.Tensor], folder: str | Path, meta: dict) -> Path:
+    """Write `tensors` (see trained_tensors) and `meta` as a snapshot folder, atomically."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {n: p.detach().to("cpu").contiguous() for n, p in model.named_parameters() if p.requires_grad}
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
         save_file(tensors, str(staging / WEIGHTS))

@@ -9,7 +9,7 @@ from pathlib import Path
 import lightning as L
 from omegaconf import OmegaConf
 
-from checkpoints import save_snapshot
+from checkpoints import save_snapshot, trained_tensors
 from train.schedule import schedule_at
 
 
@@ -42,11 +42,14 @@ class CRFamilySnapshots(L.Callback):
         previous = schedule_at(done - 2, cfg.schedule).cr if done >= 2 else 1.0
         current = schedule_at(done - 1, cfg.schedule).cr
         crossed = [k for k in range(2, math.floor(current + 1e-9) + 1) if previous + 1e-9 < k <= current + 1e-9]
-        if cfg.gate.kind == "dms" and trainer.is_global_zero:
+        if cfg.gate.kind == "dms":
             for k in crossed:
-                save_snapshot(module.model, self.root / f"cr{k}", snapshot_meta(cfg, done, float(k)))
+                self._save(trainer, module, f"cr{k}", float(k))
 
     def on_train_end(self, trainer, module):
+        self._save(trainer, module, "final", schedule_at(max(trainer.global_step - 1, 0), module.cfg.schedule).cr)
+
+    def _save(self, trainer, module, name: str, cr: float) -> None:
+        tensors = trained_tensors(module.model)  # every rank: gathering ZeRO-3 partitions is collective
         if trainer.is_global_zero:
-            cr = schedule_at(max(trainer.global_step - 1, 0), module.cfg.schedule).cr
-            save_snapshot(module.model, self.root / "final", snapshot_meta(module.cfg, trainer.global_step, cr))
+            save_snapshot(tensors, self.root / name, snapshot_meta(module.cfg, trainer.global_step, cr))

@@ -75,13 +75,14 @@ def _check_output_dir(cfg: RunConfig) -> str | None:
     """The checkpoint to resume from, or None; refuses to overwrite an earlier run silently."""
     out = Path(cfg.output_dir)
     last = out / "checkpoints" / "last.ckpt"
+    # a DeepSpeed checkpoint is a folder named like the file of the other strategies
     if cfg.resume == "auto":
-        return str(last) if last.is_file() else None
+        return str(last) if last.exists() else None
     if cfg.resume != "never":
-        if not Path(cfg.resume).is_file():
-            raise RecipeError(f"resume={cfg.resume!r}: no such checkpoint file; valid: never, auto, or a .ckpt path")
+        if not Path(cfg.resume).exists():
+            raise RecipeError(f"resume={cfg.resume!r}: no such checkpoint; valid: never, auto, or a .ckpt path")
         return cfg.resume
-    if last.is_file():
+    if last.exists():
         raise RecipeError(f"output_dir={str(out)!r} already holds a run ({last}); pass resume=auto to continue it, "
                           "or choose another output_dir")
     return None

@@ -21,15 +21,14 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
     def setup_distributed(self) -> None:
         import deepspeed
 
-        self._init_deepspeed_distributed = lambda: None
         self.set_world_ranks()
+        self._set_node_environment_variables()  # RANK/WORLD_SIZE/MASTER_*: else DeepSpeed looks for MPI
         if not torch.distributed.is_initialized():
             deepspeed.init_distributed("gloo", distributed_port=self.cluster_environment.main_port)
-        self._set_node_environment_variables()
 
     @property
     def root_device(self) -> torch.device:
-        return torch.device("cpu")
+        return torch.device("cpu", 0)  # DeepSpeed reads an integer device index
 
 
 def deepspeed_config(cfg) -> dict:
