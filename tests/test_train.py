@@ -56,6 +56,9 @@ def test_default_recipe_trains_and_writes_the_cr_family(tiny_backbone, tmp_path)
     out = tmp_path / "run"
     assert summary["steps"] == 7  # (4 - 1) * 2 ramp + 1 hold
     assert (out / "config.yaml").is_file() and (out / "summary.json").is_file()
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert "last.ckpt" in checkpoints and "step000006.ckpt" in checkpoints
+    assert not [name for name in checkpoints if name.endswith(".partial")]
     assert sorted(p.name for p in (out / "snapshots").iterdir()) == ["cr2", "cr3", "cr4", "final"]
     meta = json.loads((out / "snapshots" / "cr3" / "retrokv.json").read_text())
     assert meta["cr"] == 3.0 and meta["gate_kind"] == "dms" and meta["step"] == 5

@@ -1,12 +1,16 @@
-"""Training callbacks: a gate snapshot at every integer CR reached (the CR family) and at the end."""
+"""Training callbacks: atomic Lightning checkpoints, and a gate snapshot at every integer CR reached (the
+CR family) and at the end."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DeepSpeedStrategy
 from omegaconf import OmegaConf
 
 from checkpoints import save_snapshot, trained_tensors
@@ -53,3 +57,19 @@ class CRFamilySnapshots(L.Callback):
         tensors = trained_tensors(module.model)  # every rank: gathering ZeRO-3 partitions is collective
         if trainer.is_global_zero:
             save_snapshot(tensors, self.root / name, snapshot_meta(module.cfg, trainer.global_step, cr))
+
+
+class AtomicModelCheckpoint(ModelCheckpoint):
+    """Writes each checkpoint under a temporary name and renames it into place, so a run killed while
+    writing leaves the previous `last.ckpt` intact for `resume=auto`. DeepSpeed checkpoints are folders
+    that DeepSpeed commits itself (its `latest` tag is written last), so they go through unchanged."""
+
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        if isinstance(trainer.strategy, DeepSpeedStrategy):
+            return super()._save_checkpoint(trainer, filepath)
+        partial = f"{filepath}.partial"
+        super()._save_checkpoint(trainer, partial)
+        if trainer.is_global_zero:
+            os.replace(partial, filepath)
+        self._last_checkpoint_saved = filepath
+        trainer.strategy.barrier("atomic-checkpoint")

@@ -90,12 +90,12 @@ def _check_output_dir(cfg: RunConfig) -> str | None:
 
 def train(cfg: RunConfig) -> dict:
     import lightning as L
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+    from lightning.pytorch.callbacks import LearningRateMonitor
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from data import RetrofitDataModule
     from models.backbone import cache_root
-    from train.callbacks import CRFamilySnapshots
+    from train.callbacks import AtomicModelCheckpoint, CRFamilySnapshots
     from train.module import RetrofitModule, build_gated_model
     from train.strategy import build_strategy
 
@@ -128,7 +128,7 @@ def train(cfg: RunConfig) -> dict:
         num_sanity_val_steps=0,
         logger=TensorBoardLogger(save_dir=str(out), name="tensorboard", version=""),
         callbacks=[
-            ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=t.checkpoint_every_n_steps,
+            AtomicModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=t.checkpoint_every_n_steps,
                             save_last=True, save_top_k=-1, filename="step{step:06d}", auto_insert_metric_name=False),
             CRFamilySnapshots(out),
             LearningRateMonitor(logging_interval="step"),
