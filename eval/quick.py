@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 import models
-from checkpoints import list_snapshots, load_snapshot, read_meta
+from checkpoints import list_snapshots, load_snapshot
 from models.gates import GateMode
 from train.config import RunConfig
 from train.losses import token_kl
@@ -108,6 +108,3 @@ def quick_eval(snapshot: str | Path, max_batches: int | None = None) -> dict:
     (out_dir / "quick.json").write_text(json.dumps(result, indent=2))
     return result
 
-
-def describe(path: str | Path) -> dict:
-    return read_meta(resolve_snapshot(path))
