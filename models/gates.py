@@ -159,14 +159,15 @@ class KVGate(nn.Module):
             if self._history is None or self._history.shape[-1] != past:
                 have = 0 if self._history is None else self._history.shape[-1]
                 raise GateError(f"layer {self.layer_idx}: the cache holds {past} earlier tokens but the gate saw "
-                                f"{have}; a cache that evicts or reorders tokens needs eval.engine's BoundedCache")
+                                f"{have}; gated generation needs a cache that keeps every token in order (DynamicCache)")
             values = torch.cat([self._history, self._current], dim=-1)
         if self.state.mode is GateMode.INFER:
             self._history = values.detach()
         return values
 
-    def attention_bias(self, valid: torch.Tensor, q_len: int, k_len: int, dtype: torch.dtype) -> torch.Tensor:
-        """Additive float bias [B, n, Tq, Tk] with the causal/padding pattern `valid` folded in."""
+    def attention_bias(self, valid: torch.Tensor, q_len: int, k_len: int, dtype: torch.dtype, as_score_mod: bool = False):
+        """Additive float bias [B, n, Tq, Tk] with the causal/padding pattern `valid` folded in, or (as_score_mod)
+        the same bias as a FlexAttention score_mod computed from per-key vectors."""
         raise NotImplementedError
 
 
