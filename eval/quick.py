@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 import models
+from models import masks
 from checkpoints import list_snapshots, load_snapshot
 from models.gates import GateMode
 from train.config import RunConfig
@@ -41,13 +42,12 @@ def run_config(meta: dict) -> RunConfig:
 
 
 def visible_keys(evict_hard: torch.Tensor, attention_mask: torch.Tensor, window: int) -> torch.Tensor:
-    """Keys each real query attends to under hard DMS decisions: [B, n, T]."""
+    """Keys each real query attends to under hard DMS decisions (the attention mask's own rule): [B, n, T]."""
     length = attention_mask.shape[1]
-    distance = torch.arange(length)[:, None] - torch.arange(length)[None, :]
+    distance = masks.query_key_distance(length, length, attention_mask.device)
     real = attention_mask.bool()
     valid = (distance >= 0) & real[:, None, None, :] & real[:, None, :, None]
-    gone = evict_hard.bool()[:, :, None, :] & (distance > window)
-    return (valid & ~gone).sum(-1)
+    return (valid & masks.dms_hard_visible(evict_hard.bool(), distance, window)).sum(-1)
 
 
 @torch.no_grad()
