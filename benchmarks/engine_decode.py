@@ -1,0 +1,136 @@
+"""Decode cost of the bounded-memory engine against transformers' full DynamicCache, in one invocation.
+
+SmolLM2 reads a long essay prompt, then decodes greedily. For every policy and batch size it reports the
+median decode step time and its ratio to the full cache, KV memory allocated and its ratio, and the KV
+reads saved; then TOVA's step time over the window's (the cost of choosing what to evict); then, for a
+KV memory cap, the largest batch each cache fits and its decode tokens/s (TOVA paper, Table 1 style).
+
+Rows of a batch share one prefilled prompt (the batch-1 cache is repeated), so the CPU benchmark spends
+its minutes on decode steps, the thing measured, rather than on identical prefills.
+
+    python benchmarks/engine_decode.py [--context 4096] [--decode 128] [--budget 512] [--batches 1 8]
+        [--policies window sink h2o tova] [--snapshot outputs/RUN]  # adds the run's learned policy
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import AutoTokenizer, DynamicCache
+
+FULL = "full (DynamicCache)"
+
+
+def essay_prompt(tokenizer, length: int) -> torch.Tensor:
+    from data.sources import essay_text
+
+    ids = tokenizer(essay_text()[: length * 8], return_tensors="pt").input_ids[:, :length]
+    if ids.shape[1] < length:
+        raise SystemExit(f"the essay text gave only {ids.shape[1]} tokens; lower --context")
+    return ids
+
+
+def kv_bytes(cache) -> int:
+    from eval.engine import BoundedCache
+
+    if isinstance(cache, BoundedCache):
+        return cache.stats().bytes_allocated
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+
+@torch.no_grad()
+def run(model, make_cache, prompt: torch.Tensor, batch: int, steps: int) -> dict:
+    """Prefill one row, repeat it to `batch` rows, decode `steps` tokens; times are per decode step."""
+    cache = make_cache()
+    start = time.perf_counter()
+    logits = model(prompt, cache=cache).logits[:, -1]
+    prefill = time.perf_counter() - start
+    cache.batch_repeat_interleave(batch)
+    token = logits.argmax(-1, keepdim=True).repeat_interleave(batch, 0)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        token = model(token, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+        times.append(time.perf_counter() - start)
+    step = statistics.median(times[2:] if steps > 4 else times)
+    result = {"prefill_s": prefill, "step_s": step, "tokens_per_s": batch / step, "kv_bytes": kv_bytes(cache)}
+    if hasattr(cache, "stats"):
+        result["read_reduction"] = cache.stats().read_reduction
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--decode", type=int, default=128)
+    parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--policies", nargs="+", default=["window", "sink", "h2o", "tova"])
+    parser.add_argument("--snapshot", help="a trained run or snapshot: adds its learned policy (dms or trimkv)")
+    parser.add_argument("--memory-cap-mb", type=float, help="KV memory cap for the throughput table "
+                        "(default: what two full-cache sequences need)")
+    parser.add_argument("--cap-steps", type=int, default=16, help="decode steps timed per throughput row")
+    args = parser.parse_args()
+
+    from eval.engine import BoundedCache
+    from models import load_backbone
+    from models.backbone import embedded_model_dir
+
+    torch.manual_seed(0)
+    model, _ = load_backbone("smollm2-135m")
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    prompt = essay_prompt(tokenizer, args.context)
+    total = args.context + args.decode
+    if total > model.config.max_position_embeddings:
+        raise SystemExit(f"--context + --decode = {total} exceeds the model's {model.config.max_position_embeddings}")
+
+    def plain():
+        model.set_attn_implementation("sdpa")
+        return DynamicCache(config=model.config)
+
+    caches = {FULL: (model, plain)}
+    for name in args.policies:
+        caches[name] = (model, lambda name=name: BoundedCache(model, policy=name, budget=args.budget))
+    if args.snapshot:
+        from checkpoints import load_snapshot
+        from eval.quick import resolve_snapshot
+
+        learned, _, meta = load_snapshot(resolve_snapshot(args.snapshot))
+        kind = meta["config"]["gate"]["kind"]
+        caches[kind] = (learned, lambda: BoundedCache(learned, policy=kind, budget=args.budget))
+
+    print(f"SmolLM2-135M, context {args.context}, decode {args.decode}, budget {args.budget}, "
+          f"{torch.get_num_threads()} threads")
+    rows = {}
+    for batch in args.batches:
+        for name, (net, make) in caches.items():
+            rows[name, batch] = result = run(net, make, prompt, batch, args.decode)
+            full = rows[FULL, batch]
+            print(f"batch {batch:>2} {name:<20} step {1000 * result['step_s']:8.1f} ms  "
+                  f"x{result['step_s'] / full['step_s']:5.2f}  KV {result['kv_bytes'] / 2**20:8.1f} MiB  "
+                  f"x{result['kv_bytes'] / full['kv_bytes']:6.3f}  reads /{result.get('read_reduction', 1.0):5.2f}  "
+                  f"prefill {result['prefill_s']:6.1f} s", flush=True)
+    print("KV memory target: <= 1/8 of full (+ window/context for DMS)")
+    for batch in args.batches:
+        if ("tova", batch) in rows and ("window", batch) in rows:
+            ratio = rows["tova", batch]["step_s"] / rows["window", batch]["step_s"]
+            print(f"TOVA / window step time, batch {batch}: {ratio:.3f} (target <= 1.2)")
+
+    first = args.batches[0]
+    cap = args.memory_cap_mb * 2**20 if args.memory_cap_mb else 2 * rows[FULL, first]["kv_bytes"] / first
+    print(f"\nthroughput at a KV memory cap of {cap / 2**20:.0f} MiB ({args.cap_steps} decode steps each)")
+    for name, (net, make) in caches.items():
+        per_sequence = rows[name, first]["kv_bytes"] / first
+        fits = int(cap // per_sequence)
+        if fits < 1:
+            print(f"{name:<20} does not fit one sequence ({per_sequence / 2**20:.0f} MiB each)")
+            continue
+        result = run(net, make, prompt, fits, args.cap_steps)
+        print(f"{name:<20} batch {fits:>3}  {result['tokens_per_s']:7.1f} tokens/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""`BoundedCache`: a transformers `Cache` whose memory is fixed by a KV budget, with pluggable eviction.
+
+    cache = BoundedCache(model, policy="tova", budget=512)
+    out = model.generate(input_ids, attention_mask=mask, cache=cache, max_new_tokens=128)
+    print(cache.stats())
+
+The cache routes the model's attention through the engine (an attention function registered with
+transformers): `update` hands the new keys/values to the layer's slots, and the engine's attention reads
+the slots plus the new tokens, then lets the policy evict. Without a bound cache the same attention
+function falls back to the model's usual (gated) attention, so the model keeps working with any cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+from transformers.masking_utils import AttentionMaskInterface
+
+from eval.engine.layer import BoundedLayer
+from eval.engine.policies import EngineError, Policy, make_policy
+from eval.engine.positions import rotary_frequencies
+from models.attention import _boolean_mask, gated_attention
+from models.gates import (
+    GateError,
+    check_architecture,
+    decoder_layers,
+    model_gates,
+    set_gate_mode,
+)
+
+ENGINE_ATTENTION = "retrokv_engine"
+_BOUND = "_retrokv_engine_layer"  # set on an attention module by `update`, consumed by its attention call
+
+
+@dataclasses.dataclass
+class CacheStats:
+    """What a run through the cache cost. Reads and tokens are summed over sequences of the batch."""
+
+    policy: str
+    budget: int
+    slots: int  # per (sequence, KV head)
+    tokens_seen: int  # real (non-padding) tokens, over the batch
+    decode_steps: int
+    kv_reads: int  # keys read by decode steps, over layers, KV heads and sequences
+    full_cache_reads: int  # what a full cache would have read in the same steps
+    peak_tokens: torch.Tensor  # [layers, KV heads] most tokens any sequence held
+    kept_tokens: torch.Tensor  # [layers, KV heads] tokens held at the end, mean over the batch
+    bytes_allocated: int
+    capacity_evictions: int  # evictions because the slots were full (for DMS: forced past its own decisions)
+    compression: float  # tokens seen per token kept, per sequence, averaged over layers and KV heads
+
+    @property
+    def read_reduction(self) -> float:
+        """Full-cache reads over this cache's reads in the same decode steps."""
+        return self.full_cache_reads / self.kv_reads if self.kv_reads else float("nan")
+
+    def summary(self) -> dict:
+        return {"policy": self.policy, "budget": self.budget, "slots": self.slots, "tokens_seen": self.tokens_seen,
+                "decode_steps": self.decode_steps, "kv_reads": self.kv_reads, "full_cache_reads": self.full_cache_reads,
+                "read_reduction": round(self.read_reduction, 3), "compression": round(self.compression, 3),
+                "peak_tokens": int(self.peak_tokens.max()), "bytes_allocated": self.bytes_allocated,
+                "capacity_evictions": self.capacity_evictions}
+
+
+class BoundedCache(Cache):
+    """Fixed slots per layer and (sequence, KV head), filled and evicted by `policy`.
+
+    policy: a name from `eval.engine.POLICIES` or a policy instance (e.g. `TOVA(head_wise=True)`).
+    budget: tokens kept per (sequence, KV head); DMS adds its window, TRIM-KV an optional burst buffer, and
+        Quest keeps every token (its budget is what each query reads).
+    chunk_size: new tokens attended per chunk, with eviction between chunks (default: the budget, so a prompt
+        that fits is prefilled in one pass).
+    gap_compression: TOVA's option for running past the trained length: gaps of more than 10 positions
+        between kept tokens shrink to round(ln(ln(gap))), by re-rotating keys and queries.
+    The cache switches the model's gates to the mode its policy needs: inference for DMS and TRIM-KV, off
+    (the original model) for the training-free baselines.
+    """
+
+    def __init__(self, model, policy: str | Policy = "tova", budget: int = 512, chunk_size: int | None = None,
+                 gap_compression: bool = False):
+        try:
+            check_architecture(model.config)
+        except GateError as err:
+            raise EngineError(str(err)) from None
+        self.policy = make_policy(policy)
+        self.policy.bind(model, budget)
+        chunk_size = chunk_size or self.policy.budget
+        if chunk_size < 1:
+            raise EngineError(f"chunk_size={chunk_size} is invalid; it must be >= 1")
+        self._attention_modules = [layer.self_attn for layer in decoder_layers(model)]
+        self._config = model.config
+        if model_gates(model):
+            set_gate_mode(model, "infer" if self.policy.gate_kind else "off")
+        register_engine_attention()
+        model.set_attn_implementation(ENGINE_ATTENTION)
+        inv_freq = rotary_frequencies(model) if gap_compression else None
+        super().__init__(layers=[BoundedLayer(self.policy, chunk_size, inv_freq) for _ in self._attention_modules])
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self._config._attn_implementation != ENGINE_ATTENTION:
+            raise EngineError(f"BoundedCache needs the model's attention set to {ENGINE_ATTENTION!r}, but it is "
+                              f"{self._config._attn_implementation!r}; do not change it while the cache is in use")
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        setattr(self._attention_modules[layer_idx], _BOUND, self.layers[layer_idx])
+        return out
+
+    def crop(self, max_length: int) -> None:
+        raise EngineError("a BoundedCache cannot be cropped (evicted tokens are gone); assisted decoding and "
+                          "other rollbacks need a DynamicCache")
+
+    def stats(self) -> CacheStats:
+        first = self.layers[0]
+        if not first.is_initialized:
+            raise EngineError("the cache has not been used yet")
+        held = torch.stack([(layer.positions >= 0).sum(-1).float().mean(0) for layer in self.layers])
+        return CacheStats(
+            policy=self.policy.name, budget=self.policy.budget, slots=first.slots, tokens_seen=first.tokens_seen,
+            decode_steps=first.decode_steps, kv_reads=sum(layer.decode_reads for layer in self.layers),
+            full_cache_reads=sum(layer.full_cache_reads for layer in self.layers),
+            peak_tokens=torch.stack([layer.peak for layer in self.layers]).cpu(), kept_tokens=held.cpu(),
+            bytes_allocated=sum(layer.bytes_allocated for layer in self.layers),
+            capacity_evictions=sum(layer.capacity_evictions for layer in self.layers),
+            compression=first.tokens_seen / first.keys.shape[0] / max(1e-9, float(held.mean())))
+
+
+def register_engine_attention() -> None:
+    AttentionInterface.register(ENGINE_ATTENTION, engine_attention)
+    AttentionMaskInterface.register(ENGINE_ATTENTION, _boolean_mask)
+
+
+def engine_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention through the bound cache layer, or the model's own attention when no BoundedCache is in use."""
+    layer = module.__dict__.pop(_BOUND, None)
+    if layer is None:
+        return gated_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    batch, _, q_len, head_dim = query.shape
+    gate = getattr(module, "kv_gate", None)
+    gate_values = None
+    if gate is not None and gate.active:
+        query = gate.mask_query(query)
+        gate_values = gate._current
+    real = _new_token_real(attention_mask, batch, q_len, query.device)
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        positions = torch.arange(layer.seen, layer.seen + q_len, device=query.device)
+    positions = positions.expand(batch, q_len).to(query.device)
+    scaling = head_dim**-0.5 if scaling is None else scaling
+    out = layer.attend(query, real, positions, scaling, gate_values)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _new_token_real(attention_mask, batch: int, q_len: int, device) -> torch.Tensor:
+    """[B, q] True for real tokens: the diagonal of the (new tokens x new tokens) boolean mask."""
+    if attention_mask is None:
+        return torch.ones(batch, q_len, dtype=torch.bool, device=device)
+    if attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask == 0
+    diagonal = attention_mask[:, 0, :, -q_len:].diagonal(dim1=-2, dim2=-1)
+    return diagonal.expand(batch, q_len)

@@ -1,0 +1,242 @@
+"""One layer of the bounded cache: fixed slots per (sequence, KV head), chunked attention, eviction.
+
+Slots hold RoPE'd keys, values, the token's true position (-1 = empty) and the policy's per-slot state.
+A forward's new tokens are attended in chunks: each chunk reads the occupied slots plus its own keys
+(causally), then the policy scores slots and chunk together and the best ones that fit stay. Tokens that
+stay overwrite freed slots in place; nothing is compacted and nothing grows past the slots allocated.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from eval.engine.policies import NEG, POS, Chunk, EngineError, Policy, Quest
+from eval.engine.positions import compressed_positions, rotate
+
+
+class BoundedLayer(CacheLayerMixin):
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, policy: Policy, chunk_size: int, inv_freq: torch.Tensor | None = None):
+        super().__init__()
+        self.policy = policy
+        self.inv_freq = inv_freq  # set: TOVA gap compression re-rotates keys and queries each chunk
+        self.slots = policy.capacity()
+        self.chunk_size = chunk_size
+        self.seen = 0  # tokens processed, padding included: what transformers counts positions from
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.tokens_seen = 0  # real tokens, over the batch
+        self.decode_steps = 0
+        self.decode_reads = 0
+        self.full_cache_reads = 0
+        self.capacity_evictions = 0
+        self.peak: torch.Tensor | None = None  # [Hkv] most tokens held by any sequence at once
+
+    # --- the transformers layer API -------------------------------------------------------------------
+    def lazy_initialization(self, key_states, value_states):
+        batch, kv_heads, _, dim = key_states.shape
+        shape = (batch, kv_heads, self.slots)
+        self.device = key_states.device
+        self.keys = key_states.new_zeros(*shape, dim)
+        self.values = value_states.new_zeros(*shape, value_states.shape[-1])
+        self.positions = torch.full(shape, -1, dtype=torch.long, device=self.device)
+        score_dtype = torch.promote_types(key_states.dtype, torch.float32)  # float32 scores, float64 for references
+        self.state = {name: torch.full(shape, fill, dtype=score_dtype if dtype.is_floating_point else dtype,
+                                       device=self.device) for name, (dtype, fill) in self.policy.state.items()}
+        if isinstance(self.policy, Quest):
+            pages = (batch, kv_heads, self.slots // self.policy.page_size, dim)
+            self.key_min = key_states.new_full(pages, POS)
+            self.key_max = key_states.new_full(pages, NEG)
+        self.peak = torch.zeros(kv_heads, dtype=torch.long, device=self.device)
+        self.row_tokens = torch.zeros(batch, dtype=torch.long, device=self.device)  # real tokens seen per sequence
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Hold the new keys/values for the engine's attention, which attends and stores them."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != self.keys.shape[0]:
+            raise EngineError(f"batch size changed from {self.keys.shape[0]} to {key_states.shape[0]}; "
+                              "use a new BoundedCache for a new batch")
+        self.pending = (key_states, value_states)
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """The mask covers only the new tokens (their padding and causal order); slots carry their own validity."""
+        return query_length, self.seen
+
+    def get_max_length(self) -> int:
+        return -1  # any length: the policy evicts
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.keys = self.values = None
+        self.seen = self.tokens_seen = self.decode_steps = 0
+        self.decode_reads = self.full_cache_reads = self.capacity_evictions = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_batch(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_batch(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select_batch(torch.arange(self.keys.shape[0], device=self.device).repeat_interleave(repeats))
+
+    def _select_batch(self, index: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        index = index.to(self.device)
+        self.keys, self.values, self.positions, self.row_tokens = (
+            t.index_select(0, index) for t in (self.keys, self.values, self.positions, self.row_tokens))
+        self.state = {name: t.index_select(0, index) for name, t in self.state.items()}
+        if isinstance(self.policy, Quest):
+            self.key_min, self.key_max = self.key_min.index_select(0, index), self.key_max.index_select(0, index)
+
+    @property
+    def bytes_allocated(self) -> int:
+        if not self.is_initialized:
+            return 0
+        tensors = [self.keys, self.values, self.positions, *self.state.values()]
+        if isinstance(self.policy, Quest):
+            tensors += [self.key_min, self.key_max]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # --- attention --------------------------------------------------------------------------------------
+    def attend(self, query: torch.Tensor, new_real: torch.Tensor, positions: torch.Tensor, scaling: float,
+               gate: torch.Tensor | None) -> torch.Tensor:
+        """Attention output [B, H, q, D] for the held new tokens, storing them chunk by chunk."""
+        if self.pending is None:
+            raise EngineError("the engine's attention ran without a cache update for this layer")
+        keys, values = self.pending
+        self.pending = None
+        q_len = query.shape[2]
+        decode = q_len == 1
+        out = query.new_empty(*query.shape[:3], values.shape[-1])
+        for a in range(0, q_len, self.chunk_size):
+            b = min(a + self.chunk_size, q_len)
+            out[:, :, a:b] = self._attend_chunk(query[:, :, a:b], keys[:, :, a:b], values[:, :, a:b],
+                                                positions[:, a:b], new_real[:, a:b],
+                                                None if gate is None else gate[..., a:b], scaling, decode)
+        self.seen += q_len
+        self.tokens_seen += int(new_real.sum())
+        self.decode_steps += int(decode)
+        return out
+
+    def _attend_chunk(self, query, keys, values, positions, real, gate, scaling, decode):
+        batch, heads, c, dim = query.shape
+        kv_heads, slots = keys.shape[1], self.slots
+        group = heads // kv_heads
+        new_pos = torch.where(real, positions, torch.full_like(positions, -1))[:, None].expand(-1, kv_heads, -1)
+        cand_pos = torch.cat([self.positions, new_pos], -1)
+        cand_ok = cand_pos >= 0
+        state = {name: torch.cat([t, torch.full((batch, kv_heads, c), self.policy.state[name][1], dtype=t.dtype,
+                                                device=t.device)], -1) for name, t in self.state.items()}
+        chunk = Chunk(query=query.view(batch, kv_heads, group, c, dim), positions=positions, real=real, gate=gate,
+                      cand_pos=cand_pos, cand_ok=cand_ok, state=state, num_slots=slots)
+        if gate is not None:
+            self.policy.candidate_state(chunk)
+
+        causal = cand_pos[:, :, None, :] <= positions[:, None, :, None]
+        visible = (cand_ok[:, :, None, :] & causal)[:, :, None]  # [B, Hkv, 1, c, N]
+        extra = self.policy.visibility(chunk)
+        if extra is not None:
+            visible = visible & extra
+        if decode and isinstance(self.policy, Quest):
+            visible = visible & self._quest_pages(chunk.query[:, :, :, 0], c)
+
+        slot_keys, new_keys = self.keys, keys
+        if self.inv_freq is not None:
+            query, slot_keys, new_keys = self._compress_positions(chunk, query, keys)
+        flat_q = query.reshape(batch, kv_heads, group * c, dim)
+        scores = torch.cat([flat_q @ slot_keys.transpose(-1, -2), flat_q @ new_keys.transpose(-1, -2)], -1)
+        dtype = torch.promote_types(scores.dtype, torch.float32)  # softmax in float32 at least (float64 stays)
+        scores = scores.to(dtype).mul_(scaling).view(batch, kv_heads, group, c, slots + c)
+        scores.masked_fill_(~visible, torch.finfo(dtype).min)
+        probs = scores.softmax(-1)
+        flat_p = probs.to(values.dtype).view(batch, kv_heads, group * c, slots + c)
+        out = flat_p[..., :slots] @ self.values + flat_p[..., slots:] @ values
+
+        self.row_tokens += real.sum(-1)
+        if decode:
+            self.decode_reads += int(visible.any(2).sum())
+            self.full_cache_reads += int(self.row_tokens.sum()) * kv_heads
+        score = self.policy.keep_scores(chunk, probs if self.policy.needs_probs else None)
+        self._retain(chunk, score, keys, values)
+        return out.view(batch, heads, c, -1)
+
+    def _compress_positions(self, chunk: Chunk, query, keys):
+        """Query and keys re-rotated from their true positions to the gap-compressed ones."""
+        slots = self.slots
+        target = compressed_positions(chunk.cand_pos, chunk.cand_ok)
+        delta = torch.where(chunk.cand_ok, target - chunk.cand_pos, torch.zeros_like(target))
+        slot_keys = rotate(self.keys, delta[..., :slots], self.inv_freq)
+        new_keys = rotate(keys, delta[..., slots:], self.inv_freq)
+        batch, kv_heads, group, c, dim = chunk.query.shape
+        query = rotate(chunk.query, delta[:, :, None, slots:].expand(-1, -1, group, -1), self.inv_freq)
+        return query.reshape(batch, kv_heads * group, c, dim), slot_keys, new_keys
+
+    def _quest_pages(self, query, c) -> torch.Tensor:
+        """[B, Hkv, G, 1, N]: slots in the pages each query head picked, plus the new token."""
+        page = self.policy.page_size
+        occupied = (self.positions >= 0).view(*self.positions.shape[:2], -1, page).any(-1)
+        chosen = self.policy.page_selection(query, self.key_min, self.key_max, occupied)
+        tokens = chosen.repeat_interleave(page, -1)
+        return torch.cat([tokens, tokens.new_ones(*tokens.shape[:3], c)], -1)[:, :, :, None]
+
+    # --- eviction ----------------------------------------------------------------------------------------
+    def _retain(self, chunk: Chunk, score: torch.Tensor, keys, values) -> None:
+        slots = self.slots
+        score = score.float().masked_fill(~chunk.cand_ok, NEG)
+        dropped = score == NEG
+        count = (~dropped).sum(-1)
+        keep = torch.where(count > slots, torch.full_like(count, self.policy.evict_to()), count)
+        n_evict = count - keep
+        most = int(n_evict.max())
+        if most:
+            lowest = score.masked_fill(dropped, POS).topk(most, dim=-1, largest=False)
+            take = torch.arange(most, device=score.device) < n_evict[..., None]
+            if bool((lowest.values == POS)[take].any()):
+                raise EngineError(f"the {self.policy.name} policy must keep more tokens than its {slots} slots per KV "
+                                  f"head hold (budget={self.policy.budget}); raise the budget")
+            dropped |= torch.zeros_like(dropped).scatter_(-1, lowest.indices, take)
+            self.capacity_evictions += int(n_evict.sum())
+        kept = chunk.cand_ok & ~dropped
+        self._commit(chunk, kept, keys, values)
+
+    def _commit(self, chunk: Chunk, kept: torch.Tensor, keys, values) -> None:
+        slots = self.slots
+        slot_kept, new_kept = kept[..., :slots], kept[..., slots:]
+        self.positions.masked_fill_(~slot_kept, -1)
+        for name, t in self.state.items():
+            t.copy_(chunk.state[name][..., :slots])
+        if bool(new_kept.any()):
+            free = (~slot_kept).to(torch.int8)
+            if new_kept.shape[-1] == 1:
+                dest = free.argmax(-1, keepdim=True)
+            else:
+                order = free.sort(dim=-1, descending=True, stable=True).indices
+                dest = order.gather(-1, (new_kept.long().cumsum(-1) - 1).clamp(min=0))
+            b, h, j = new_kept.nonzero(as_tuple=True)
+            s = dest[b, h, j]
+            self.keys[b, h, s] = keys[b, h, j]
+            self.values[b, h, s] = values[b, h, j]
+            self.positions[b, h, s] = chunk.cand_pos[b, h, slots + j]
+            for name, t in self.state.items():
+                t[b, h, s] = chunk.state[name][b, h, slots + j]
+            if isinstance(self.policy, Quest):
+                self._update_page_bounds(b, h, s // self.policy.page_size, keys[b, h, j])
+        held = (self.positions >= 0).sum(-1)
+        self.peak = torch.maximum(self.peak, held.max(0).values)
+
+    def _update_page_bounds(self, b, h, page, key) -> None:
+        _, kv_heads, pages, dim = self.key_min.shape
+        flat = ((b * kv_heads + h) * pages + page)[:, None].expand(-1, dim)
+        self.key_min.view(-1, dim).scatter_reduce_(0, flat, key, "amin")
+        self.key_max.view(-1, dim).scatter_reduce_(0, flat, key, "amax")

@@ -1,0 +1,337 @@
+"""Eviction policies of the bounded-memory engine, each a small class.
+
+A policy sees one chunk of new tokens at a time together with the tokens already in the slots (the
+"candidates": slots first, then the chunk) and answers three questions:
+  * `visibility`: which candidates each query of the chunk may read beyond the causal rule (None = all);
+  * `keep_scores`: after the chunk, how much each candidate is worth keeping (+inf pinned, -inf dropped);
+    the engine keeps the highest scores that fit in the slots;
+  * `capacity`: how many slots per (sequence, KV head) it needs for a budget.
+Per-slot state a policy carries (H2O's accumulated attention, DMS decisions, TRIM-KV retention) is declared
+in `state` and moved by the engine together with keys and values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import torch
+
+NEG, POS = float("-inf"), float("inf")
+
+
+class EngineError(ValueError):
+    """A cache setting or a model the engine cannot serve, with the valid alternatives."""
+
+
+@dataclasses.dataclass
+class Chunk:
+    """What a policy knows about the current chunk; candidate tensors are [B, Hkv, N] with N = slots + c."""
+
+    query: torch.Tensor  # [B, Hkv, G, c, D], RoPE applied
+    positions: torch.Tensor  # [B, c] true positions of the chunk's tokens
+    real: torch.Tensor  # [B, c] False for padding
+    gate: torch.Tensor | None  # [B, n, c] gate values of the chunk (DMS logits, TRIM-KV log beta), n = Hkv or 1
+    cand_pos: torch.Tensor  # [B, Hkv, N] true position, -1 for an empty slot or padding
+    cand_ok: torch.Tensor  # [B, Hkv, N] holds a real token
+    state: dict[str, torch.Tensor]  # per-candidate policy state, [B, Hkv, N]
+    num_slots: int
+
+    @property
+    def size(self) -> int:
+        return self.positions.shape[1]
+
+    @property
+    def query_pos(self) -> torch.Tensor:
+        """[B, 1, c, 1] positions of the queries, for broadcasting against candidates."""
+        return self.positions[:, None, :, None]
+
+    @property
+    def now(self) -> torch.Tensor:
+        """[B, 1, 1] position of the chunk's last token (rows that are all padding get -1)."""
+        pos = torch.where(self.real, self.positions, torch.full_like(self.positions, -1))
+        return pos.max(-1).values[:, None, None]
+
+
+class Policy:
+    """Base: no per-query restriction, nothing learned, slots = budget."""
+
+    name = "policy"
+    needs_probs = False  # keep_scores reads the chunk's attention probabilities
+    gate_kind: str | None = None  # the model's gates this policy reads ("dms" | "trimkv"), if any
+    state: ClassVar[dict[str, tuple[torch.dtype, float]]] = {}  # per-slot state: name -> (dtype, empty value)
+
+    def bind(self, model, budget: int) -> None:
+        """Check the budget (and the model, for learned policies) before anything is allocated."""
+        if budget < 1:
+            raise EngineError(f"budget={budget} is invalid; it must be >= 1 token per KV head")
+        self.budget = budget
+
+    def capacity(self) -> int:
+        return self.budget
+
+    def evict_to(self) -> int:
+        """How many tokens stay when the slots overflow (below capacity for a burst buffer)."""
+        return self.capacity()
+
+    def candidate_state(self, chunk: Chunk) -> None:
+        """Fill in the chunk's part of the per-candidate state (slots' part is already there)."""
+
+    def visibility(self, chunk: Chunk) -> torch.Tensor | None:
+        return None
+
+    def keep_scores(self, chunk: Chunk, probs: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if k != "budget")
+        return f"{type(self).__name__}({fields})"
+
+
+class Full(Policy):
+    """No eviction: the topline. The budget is the number of slots and must cover the whole sequence."""
+
+    name = "full"
+
+    def keep_scores(self, chunk, probs):
+        return torch.full(chunk.cand_pos.shape, POS, device=chunk.cand_pos.device)
+
+
+class Window(Policy):
+    """The last `budget` tokens."""
+
+    name = "window"
+
+    def keep_scores(self, chunk, probs):
+        return chunk.cand_pos.float()
+
+
+class Sink(Policy):
+    """StreamingLLM: the first `sinks` tokens pinned, the rest of the budget a window of the most recent."""
+
+    name = "sink"
+
+    def __init__(self, sinks: int = 4):
+        self.sinks = sinks
+
+    def bind(self, model, budget):
+        super().bind(model, budget)
+        if not 0 <= self.sinks < budget:
+            raise EngineError(f"sink policy: sinks={self.sinks} must be >= 0 and below budget={budget}")
+
+    def keep_scores(self, chunk, probs):
+        pos = chunk.cand_pos.float()
+        return torch.where((chunk.cand_pos >= 0) & (chunk.cand_pos < self.sinks), POS, pos)
+
+
+class H2O(Policy):
+    """Heavy hitters: half the budget the most recent tokens, half the highest cumulative attention, per KV head."""
+
+    name = "h2o"
+    needs_probs = True
+    state: ClassVar = {"acc": (torch.float32, 0.0)}
+
+    def __init__(self, recent_fraction: float = 0.5):
+        self.recent_fraction = recent_fraction
+
+    def bind(self, model, budget):
+        super().bind(model, budget)
+        if not 0.0 <= self.recent_fraction <= 1.0:
+            raise EngineError(f"h2o recent_fraction={self.recent_fraction} must be within [0, 1]")
+        self.recent = max(1, round(budget * self.recent_fraction)) if self.recent_fraction else 0
+
+    def keep_scores(self, chunk, probs):
+        # probs [B, Hkv, G, c, N]: attention each candidate received from the chunk's real queries, mean over the group
+        received = (probs * chunk.real[:, None, None, :, None]).sum(3).mean(2)
+        chunk.state["acc"] = chunk.state["acc"] + received
+        recent = chunk.cand_pos > chunk.now - self.recent
+        return torch.where(recent & chunk.cand_ok, POS, chunk.state["acc"])
+
+
+class TOVA(Policy):
+    """Token Omission Via Attention: drop the tokens the last query attends to least.
+
+    Layer-wise by default (the mean over all query heads, so every KV head evicts the same token); head-wise
+    averages over each KV head's query group only.
+    """
+
+    name = "tova"
+    needs_probs = True
+
+    def __init__(self, head_wise: bool = False):
+        self.head_wise = head_wise
+
+    def keep_scores(self, chunk, probs):
+        last = self._last_real_query(chunk)  # [B]
+        row = probs[torch.arange(probs.shape[0], device=probs.device), :, :, last]  # [B, Hkv, G, N]
+        score = row.mean(2) if self.head_wise else row.mean((1, 2))[:, None].expand(-1, row.shape[1], -1)
+        return score.contiguous()
+
+    @staticmethod
+    def _last_real_query(chunk) -> torch.Tensor:
+        index = torch.arange(chunk.size, device=chunk.real.device).expand_as(chunk.real)
+        return torch.where(chunk.real, index, torch.zeros_like(index)).max(-1).values
+
+
+class DMS(Policy):
+    """The gated model's own hard DMS decisions: a key marked for eviction (by the next token's gate, the
+    one-token shift) stays readable for `window` more steps and then frees its slot.
+
+    Slots = budget + window. The budget is the memory cap the run reports against, not a rule: if the model
+    keeps more tokens than fit, the engine evicts the most eviction-prone ones outside the window and counts
+    them in `stats().forced_evictions`.
+    """
+
+    name = "dms"
+    gate_kind = "dms"
+    state: ClassVar = {"evict": (torch.bool, False), "decided": (torch.bool, False), "logit": (torch.float32, 0.0)}
+
+    def bind(self, model, budget):
+        super().bind(model, budget)
+        self.window = int(_gate_settings(model, "dms")["window"])
+
+    def capacity(self):
+        return self.budget + self.window
+
+    def candidate_state(self, chunk):
+        logit = chunk.gate.expand(-1, chunk.cand_pos.shape[1], -1)  # [B, Hkv, c]
+        s, c = chunk.num_slots, chunk.size
+        st = chunk.state
+        # the first token of this chunk decides the previous chunk's last key
+        first = torch.where(chunk.real[:, :1], logit[..., 0], torch.full_like(logit[..., 0], NEG))
+        pending = ~st["decided"][..., :s] & chunk.cand_ok[..., :s]
+        has_first = chunk.real[:, None, :1].expand_as(pending)
+        st["evict"][..., :s] |= pending & has_first & (first[..., None] > 0)
+        st["logit"][..., :s] = torch.where(pending & has_first, first[..., None].expand_as(pending), st["logit"][..., :s])
+        st["decided"][..., :s] |= pending & has_first
+        # inside the chunk: key j is decided by token j + 1; the last waits for the next forward
+        shifted = torch.cat([logit[..., 1:], torch.zeros_like(logit[..., :1])], -1)
+        decided = torch.zeros_like(chunk.cand_ok[..., s:])
+        decided[..., : c - 1] = True
+        st["evict"][..., s:] = decided & (shifted > 0)
+        st["logit"][..., s:] = torch.where(decided, shifted, torch.zeros_like(shifted))
+        st["decided"][..., s:] = decided
+
+    def visibility(self, chunk):
+        gone = chunk.state["evict"][:, :, None, :] & (chunk.query_pos - chunk.cand_pos[:, :, None, :] > self.window)
+        return ~gone[:, :, None]
+
+    def keep_scores(self, chunk, probs):
+        age_next = chunk.now + 1 - chunk.cand_pos
+        expired = chunk.state["evict"] & (age_next > self.window)
+        in_window = age_next <= self.window
+        score = torch.where(in_window, POS, -chunk.state["logit"])
+        return torch.where(expired, NEG, score)
+
+
+class TrimKV(Policy):
+    """TRIM-KV: per KV head, the `budget` tokens with the highest retention score log beta_i * (t - i).
+
+    Each query reads the top-budget candidates at its own step; after the chunk the top-budget at the last
+    step stay. With `burst` > 0 the slots take `burst` more tokens before one batched eviction back to the
+    budget, and queries read every stored token.
+    """
+
+    name = "trimkv"
+    gate_kind = "trimkv"
+    state: ClassVar = {"log_beta": (torch.float32, 0.0)}
+
+    def __init__(self, burst: int = 0):
+        self.burst = burst
+
+    def bind(self, model, budget):
+        super().bind(model, budget)
+        _gate_settings(model, "trimkv")
+        if self.burst < 0:
+            raise EngineError(f"trimkv burst={self.burst} is invalid; it must be >= 0")
+
+    def capacity(self):
+        return self.budget + self.burst
+
+    def candidate_state(self, chunk):
+        chunk.state["log_beta"][..., chunk.num_slots:] = chunk.gate
+
+    def _score(self, chunk, at: torch.Tensor) -> torch.Tensor:
+        age = (at - chunk.cand_pos[:, :, None, :]).clamp(min=0).float()
+        return chunk.state["log_beta"][:, :, None, :] * age
+
+    def visibility(self, chunk):
+        if self.burst:
+            return None
+        causal = chunk.cand_pos[:, :, None, :] <= chunk.query_pos
+        score = self._score(chunk, chunk.query_pos).masked_fill(~(causal & chunk.cand_ok[:, :, None, :]), NEG)
+        k = min(self.budget, score.shape[-1])
+        keep = torch.zeros_like(causal).scatter_(-1, score.topk(k, dim=-1).indices, True)
+        return keep[:, :, None]
+
+    def keep_scores(self, chunk, probs):
+        return self._score(chunk, chunk.now[:, :, :, None])[:, :, 0]
+
+    def evict_to(self):
+        return self.budget
+
+
+class Quest(Policy):
+    """Quest (query-aware page selection): keeps every token, but each decode query head reads only the
+    `budget // page_size` pages whose key bounds promise the largest score (plus the newest page).
+
+    It saves reads, not memory: slots = `max_length`. Prefill chunks read everything.
+    """
+
+    name = "quest"
+
+    def __init__(self, max_length: int | None = None, page_size: int = 16):
+        self.max_length = max_length
+        self.page_size = page_size
+
+    def bind(self, model, budget):
+        super().bind(model, budget)
+        if self.page_size < 1:
+            raise EngineError(f"quest page_size={self.page_size} is invalid; it must be >= 1")
+        if budget < self.page_size:
+            raise EngineError(f"quest budget={budget} is below one page ({self.page_size} tokens)")
+        self.max_length = self.max_length or model.config.max_position_embeddings
+        self.max_length = math.ceil(self.max_length / self.page_size) * self.page_size
+        self.pages = budget // self.page_size
+
+    def capacity(self):
+        return self.max_length
+
+    def keep_scores(self, chunk, probs):
+        return torch.full(chunk.cand_pos.shape, POS, device=chunk.cand_pos.device)
+
+    def page_selection(self, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor,
+                       page_ok: torch.Tensor) -> torch.Tensor:
+        """[B, Hkv, G, pages] True for the pages each query head reads.
+
+        query [B, Hkv, G, D]; key_min/key_max [B, Hkv, pages, D]: element-wise key bounds per page.
+        """
+        q = query[:, :, :, None, :]
+        bound = torch.maximum(q * key_min[:, :, None], q * key_max[:, :, None]).sum(-1)
+        bound = bound.masked_fill(~page_ok[:, :, None], NEG)
+        newest = page_ok.long().cumsum(-1).argmax(-1, keepdim=True)  # last page holding a token
+        bound.scatter_(-1, newest[:, :, None].expand(-1, -1, bound.shape[2], -1), POS)
+        k = min(self.pages, bound.shape[-1])
+        chosen = torch.zeros_like(bound, dtype=torch.bool).scatter_(-1, bound.topk(k, dim=-1).indices, True)
+        return chosen & page_ok[:, :, None]
+
+
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, Window, Sink, H2O, TOVA, DMS, TrimKV, Quest)}
+
+
+def make_policy(policy: str | Policy) -> Policy:
+    if isinstance(policy, Policy):
+        return policy
+    if policy not in POLICIES:
+        raise EngineError(f"unknown policy {policy!r}; valid: {sorted(POLICIES)}")
+    return POLICIES[policy]()
+
+
+def _gate_settings(model, kind: str) -> dict:
+    settings = getattr(model.config, "retrokv", None)
+    if not settings or settings.get("kind") != kind:
+        have = settings.get("kind") if settings else "no gates"
+        raise EngineError(f"the {kind} policy needs a model with {kind} gates (models.attach_gates or a "
+                          f"checkpoint snapshot); this model has {have}")
+    return settings
