@@ -168,7 +168,10 @@ class BoundedLayer(CacheLayerMixin):
             self.decode_reads += int(visible.any(2).sum())
             self.full_cache_reads += int(self.row_tokens.sum()) * kv_heads
         score = self.policy.keep_scores(chunk, probs if self.policy.needs_probs else None)
-        self._retain(chunk, score, keys, values)
+        if c == 1 and self.policy.evict_to() == slots:
+            self._retain_one(chunk, score, keys, values)
+        else:
+            self._retain(chunk, score, keys, values)
         return out.view(batch, heads, c, -1)
 
     def _compress_positions(self, chunk: Chunk, query, keys):
@@ -191,6 +194,35 @@ class BoundedLayer(CacheLayerMixin):
         return torch.cat([tokens, tokens.new_ones(*tokens.shape[:3], c)], -1)[:, :, :, None]
 
     # --- eviction ----------------------------------------------------------------------------------------
+    def _retain_one(self, chunk: Chunk, score: torch.Tensor, keys, values) -> None:
+        """Decode fast path: one new token, at most one eviction. The lowest-scoring candidate makes room:
+        an empty or dropped slot if there is one, else the weakest token (the new one included)."""
+        slots = self.slots
+        score = score.masked_fill(~chunk.cand_ok, NEG)
+        self.positions.masked_fill_(score[..., :slots] == NEG, -1)  # free slots the policy dropped
+        lowest, victim = score.min(-1)
+        if bool(torch.isposinf(lowest).any()):
+            raise self._overflow()
+        self.capacity_evictions += int(torch.isfinite(lowest).sum())
+        write = (victim < slots) & chunk.cand_ok[..., slots]  # the new token stays (in the victim's slot)
+        index = victim.clamp(max=slots - 1)[..., None]
+        for name, t in self.state.items():
+            t.copy_(chunk.state[name][..., :slots])
+        tensors = [(self.positions, chunk.cand_pos[..., slots:]), (self.keys, keys), (self.values, values)]
+        tensors += [(self.state[name], chunk.state[name][..., slots:]) for name in self.state]
+        for stored, new in tensors:
+            at = index if stored.dim() == 3 else index[..., None].expand(-1, -1, -1, stored.shape[-1])
+            keep_new = write[..., None] if stored.dim() == 3 else write[..., None, None]
+            stored.scatter_(2, at, torch.where(keep_new, new, stored.gather(2, at)))
+        if isinstance(self.policy, Quest):
+            b, h = write.nonzero(as_tuple=True)
+            self._update_page_bounds(b, h, index[b, h, 0] // self.policy.page_size, keys[b, h, 0])
+        self.peak = torch.maximum(self.peak, (self.positions >= 0).sum(-1).max(0).values)
+
+    def _overflow(self) -> EngineError:
+        return EngineError(f"the {self.policy.name} policy must keep more tokens than its {self.slots} slots per KV "
+                           f"head hold (budget={self.policy.budget}); raise the budget")
+
     def _retain(self, chunk: Chunk, score: torch.Tensor, keys, values) -> None:
         slots = self.slots
         score = score.float().masked_fill(~chunk.cand_ok, NEG)
@@ -203,8 +235,7 @@ class BoundedLayer(CacheLayerMixin):
             lowest = score.masked_fill(dropped, POS).topk(most, dim=-1, largest=False)
             take = torch.arange(most, device=score.device) < n_evict[..., None]
             if bool((lowest.values == POS)[take].any()):
-                raise EngineError(f"the {self.policy.name} policy must keep more tokens than its {slots} slots per KV "
-                                  f"head hold (budget={self.policy.budget}); raise the budget")
+                raise self._overflow()
             dropped |= torch.zeros_like(dropped).scatter_(-1, lowest.indices, take)
             self.capacity_evictions += int(n_evict.sum())
         kept = chunk.cand_ok & ~dropped
