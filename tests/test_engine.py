@@ -31,6 +31,8 @@ def gated(kind, family="llama", seed=0, **settings):
     attach_gates(model, kind, **settings)
     generator = torch.Generator().manual_seed(seed + 7)
     for gate in model_gates(model):
+        if kind == "dms" and gate.settings.source == "query_neuron":
+            continue  # the repurposed q_proj channel of a random model already decides about half the tokens
         if kind == "dms":
             gate.proj.weight.data = torch.randn(gate.proj.weight.shape, generator=generator) * 0.2
         else:
@@ -65,6 +67,17 @@ def test_learned_policies_with_room_equal_the_gated_model_on_a_dynamic_cache():
         seq, scores = generate(model, ids, mask, BoundedCache(model, policy=kind, budget=64))
         assert torch.equal(seq, ref_seq), kind
         torch.testing.assert_close(scores, ref_scores, atol=1e-5, rtol=1e-5)
+
+
+def test_transformers_prefill_chunking_through_the_engine():
+    model = tiny_model()
+    ids, mask = left_padded_batch(length=30)
+    ref_seq, ref_scores = generate(model, ids, mask, BoundedCache(model, policy="tova", budget=8, chunk_size=6))
+    cache = BoundedCache(model, policy="tova", budget=8, chunk_size=6)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, cache=cache, output_scores=True,
+                         return_dict_in_generate=True, pad_token_id=0, prefill_chunk_size=12)
+    assert torch.equal(out.sequences, ref_seq)  # 12-token forwards split into the same 6-token chunks
+    torch.testing.assert_close(torch.stack(out.scores), ref_scores)
 
 
 def test_sampling_and_batches_run_under_eviction():
@@ -200,8 +213,9 @@ def test_evictions_and_logits_equal_the_plain_reference(policy, chunk):
         assert cache.stats().capacity_evictions > 0
 
 
-def test_dms_teacher_forcing_equals_the_gated_model_with_the_hard_mask():
-    model = gated("dms", window=4)
+@pytest.mark.parametrize("source", ["adapter", "query_neuron"])
+def test_dms_teacher_forcing_equals_the_gated_model_with_the_hard_mask(source):
+    model = gated("dms", window=4, source=source)
     ids, mask = left_padded_batch(length=30)
     with gate_mode(model, "infer"):
         reference = model(ids, attention_mask=mask, use_cache=False).logits
