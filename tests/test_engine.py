@@ -69,6 +69,17 @@ def test_learned_policies_with_room_equal_the_gated_model_on_a_dynamic_cache():
         torch.testing.assert_close(scores, ref_scores, atol=1e-5, rtol=1e-5)
 
 
+def test_rows_that_reach_eos_stop_as_with_a_full_cache():
+    model = tiny_model()
+    ids, mask = left_padded_batch()
+    free_run, _ = generate(model, ids, mask)
+    eos = int(free_run[0, 22])  # row 0's third new token
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=0,
+                         cache=BoundedCache(model, policy="h2o", budget=64))
+    assert torch.equal(out, ref) and bool((out[0, 23:] == 0).all())
+
+
 def test_transformers_prefill_chunking_through_the_engine():
     model = tiny_model()
     ids, mask = left_padded_batch(length=30)
@@ -387,3 +398,10 @@ def test_smollm2_generates_through_the_engine(smollm2, tokenizer):
     assert torch.equal(seq, full_seq)
     torch.testing.assert_close(scores, full_scores, atol=1e-4, rtol=1e-4)
     assert "Paris" in tokenizer.decode(seq[0, -12:])
+    stop = dict(max_new_tokens=12, do_sample=False, stop_strings=["Paris"], tokenizer=tokenizer)
+    france = tokenizer("The capital of France is", return_tensors="pt")
+    with_full = model.generate(**france, **stop)
+    with_engine = model.generate(**france, cache=BoundedCache(model, "window", budget=64), **stop)
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(with_engine, with_full)
+    assert tokenizer.decode(with_full[0]).endswith("Paris") and with_full.shape[1] < france.input_ids.shape[1] + 12
