@@ -398,7 +398,7 @@ def test_smollm2_generates_through_the_engine(smollm2, tokenizer):
     assert torch.equal(seq, full_seq)
     torch.testing.assert_close(scores, full_scores, atol=1e-4, rtol=1e-4)
     assert "Paris" in tokenizer.decode(seq[0, -12:])
-    stop = dict(max_new_tokens=12, do_sample=False, stop_strings=["Paris"], tokenizer=tokenizer)
+    stop = {"max_new_tokens": 12, "do_sample": False, "stop_strings": ["Paris"], "tokenizer": tokenizer}
     france = tokenizer("The capital of France is", return_tensors="pt")
     with_full = model.generate(**france, **stop)
     with_engine = model.generate(**france, cache=BoundedCache(model, "window", budget=64), **stop)
