@@ -128,16 +128,27 @@ def test_two_process_ddp_matches_one_process_on_the_same_global_batch(tiny_backb
         assert two[step] == pytest.approx(one[step], rel=1e-4, abs=1e-5), (one, two)
 
 
-@pytest.mark.parametrize("stage,backbone_mode", [(2, "frozen"), (3, "full")])
-def test_deepspeed_zero_on_two_cpu_processes_matches_one_process(tiny_backbone, tmp_path, stage, backbone_mode):
-    """DeepSpeed ZeRO-2 (frozen backbone) and ZeRO-3 (full fine-tune, separate teacher outside the engine)."""
+OFFLOAD_OPTIMIZER = {"strategy.offload_optimizer": True}
+OFFLOAD_ALL = {**OFFLOAD_OPTIMIZER, "strategy.offload_parameters": True}
+
+
+@pytest.mark.parametrize("stage,backbone_mode,offload", [
+    (2, "frozen", {}), (3, "full", {}),
+    # ZeRO-Offload steps with DeepSpeedCPUAdam, which compiles on first use (about 2.5 min here)
+    pytest.param(2, "frozen", OFFLOAD_OPTIMIZER, marks=pytest.mark.slow),
+    pytest.param(3, "full", OFFLOAD_ALL, marks=pytest.mark.slow),
+])
+def test_deepspeed_zero_on_two_cpu_processes_matches_one_process(tiny_backbone, tmp_path, stage, backbone_mode, offload):
+    """DeepSpeed ZeRO-2 (frozen backbone), ZeRO-3 (full fine-tune, separate teacher outside the engine), and
+    both with ZeRO-Offload (optimizer state, and for ZeRO-3 the parameters, in host memory)."""
     common = {"trainer.max_steps": 3, "trainer.accelerator": "cpu", "trainer.val_check_interval": 100,
               "model.backbone_mode": backbone_mode, "optim.lr": 1e-3}
     single = tmp_path / "single"
     train(load_recipe("dms_smollm2_cr4", overrides(tiny_backbone, single, **common, **{"data.batch_size": 2})))
     zero = tmp_path / "zero"
     args = overrides(tiny_backbone, zero, **common, **{"data.batch_size": 1, "trainer.devices": 2,
-                                                         "strategy.name": "deepspeed", "strategy.zero_stage": stage})
+                                                         "strategy.name": "deepspeed", "strategy.zero_stage": stage,
+                                                         **offload})
     done = subprocess.run([sys.executable, "-m", "train", *args], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     one, two = scalars(single, "train/loss"), scalars(zero, "train/loss")

@@ -3,6 +3,7 @@ distillation + capacity loss under an annealed compression ratio."""
 
 from __future__ import annotations
 
+import functools
 import time
 
 import lightning as L
@@ -140,7 +141,12 @@ class RetrofitModule(L.LightningModule):
     def configure_optimizers(self):
         opt = self.cfg.optim
         params = trainable_parameters(self.model)
-        optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay)
+        optimizer_cls = torch.optim.AdamW
+        if self.cfg.strategy.name == "deepspeed" and self.cfg.strategy.offload_optimizer:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam  # ZeRO-Offload steps on the host (built on first use)
+
+            optimizer_cls = functools.partial(DeepSpeedCPUAdam, adamw_mode=True)
+        optimizer = optimizer_cls(params, lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay)
         warmup = opt.warmup_steps
         lam = (lambda s: min(1.0, (s + 1) / warmup)) if warmup > 0 else (lambda s: 1.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lam)
