@@ -23,7 +23,7 @@ from models.gates import ATTENTION_NAME
 _BACKEND_ENV = "RETROKV_ATTENTION"  # "sdpa" or "flex"; default: flex on CUDA, sdpa elsewhere
 
 
-def _boolean_mask(*args, **kwargs):
+def boolean_causal_mask(*args, **kwargs):
     """transformers' causal+padding mask as an explicit boolean tensor (never skipped for is_causal)."""
     kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, **kwargs)
@@ -31,7 +31,7 @@ def _boolean_mask(*args, **kwargs):
 
 def register_attention() -> None:
     AttentionInterface.register(ATTENTION_NAME, gated_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, _boolean_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, boolean_causal_mask)
 
 
 def _valid_pattern(attention_mask, batch: int, q_len: int, k_len: int, device) -> torch.Tensor:

@@ -22,7 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from eval.engine.layer import BoundedLayer
 from eval.engine.policies import EngineError, Policy, make_policy
 from eval.engine.positions import rotary_frequencies
-from models.attention import _boolean_mask, gated_attention
+from models.attention import boolean_causal_mask, gated_attention
 from models.gates import (
     GateError,
     check_architecture,
@@ -128,7 +128,7 @@ class BoundedCache(Cache):
 
 def register_engine_attention() -> None:
     AttentionInterface.register(ENGINE_ATTENTION, engine_attention)
-    AttentionMaskInterface.register(ENGINE_ATTENTION, _boolean_mask)
+    AttentionMaskInterface.register(ENGINE_ATTENTION, boolean_causal_mask)
 
 
 def engine_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
