@@ -9,7 +9,7 @@ Rows of a batch share one prefilled prompt (the batch-1 cache is repeated), so t
 its minutes on decode steps, the thing measured, rather than on identical prefills.
 
     python benchmarks/engine_decode.py [--context 4096] [--decode 128] [--budget 512] [--batches 1 8]
-        [--policies window sink h2o tova] [--snapshot outputs/RUN]  # adds the run's learned policy
+        [--policies window sink h2o tova] [--snapshot outputs/RUN ...]  # adds each run's learned policy
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--policies", nargs="+", default=["window", "sink", "h2o", "tova"])
-    parser.add_argument("--snapshot", help="a trained run or snapshot: adds its learned policy (dms or trimkv)")
+    parser.add_argument("--snapshot", action="append", default=[],
+                        help="a trained run or snapshot: adds its learned policy (dms or trimkv); repeatable")
     parser.add_argument("--memory-cap-mb", type=float, help="KV memory cap for the throughput table "
                         "(default: what two full-cache sequences need)")
     parser.add_argument("--cap-steps", type=int, default=16, help="decode steps timed per throughput row")
@@ -94,13 +95,13 @@ def main() -> None:
     caches = {FULL: (model, plain)}
     for name in args.policies:
         caches[name] = (model, lambda name=name: BoundedCache(model, policy=name, budget=args.budget))
-    if args.snapshot:
+    for snapshot in args.snapshot:
         from checkpoints import load_snapshot
         from eval.quick import resolve_snapshot
 
-        learned, _, meta = load_snapshot(resolve_snapshot(args.snapshot))
+        learned, _, meta = load_snapshot(resolve_snapshot(snapshot))
         kind = meta["config"]["gate"]["kind"]
-        caches[kind] = (learned, lambda: BoundedCache(learned, policy=kind, budget=args.budget))
+        caches[kind] = (learned, lambda learned=learned, kind=kind: BoundedCache(learned, policy=kind, budget=args.budget))
 
     print(f"SmolLM2-135M, context {args.context}, decode {args.decode}, budget {args.budget}, "
           f"{torch.get_num_threads()} threads")

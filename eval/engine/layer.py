@@ -42,7 +42,7 @@ class BoundedLayer(CacheLayerMixin):
         self.device = key_states.device
         self.keys = key_states.new_zeros(*shape, dim)
         self.values = value_states.new_zeros(*shape, value_states.shape[-1])
-        self.positions = torch.full(shape, -1, dtype=torch.long, device=self.device)
+        self.positions = torch.full(shape, -1, dtype=torch.int32, device=self.device)  # 4 bytes next to 2*D values
         score_dtype = torch.promote_types(key_states.dtype, torch.float32)  # float32 scores, float64 for references
         self.state = {name: torch.full(shape, fill, dtype=score_dtype if dtype.is_floating_point else dtype,
                                        device=self.device) for name, (dtype, fill) in self.policy.state.items()}
@@ -133,6 +133,7 @@ class BoundedLayer(CacheLayerMixin):
         batch, heads, c, dim = query.shape
         kv_heads, slots = keys.shape[1], self.slots
         group = heads // kv_heads
+        positions = positions.to(torch.int32)
         new_pos = torch.where(real, positions, torch.full_like(positions, -1))[:, None].expand(-1, kv_heads, -1)
         cand_pos = torch.cat([self.positions, new_pos], -1)
         cand_ok = cand_pos >= 0

@@ -26,10 +26,10 @@ def compress_gaps(gaps: torch.Tensor) -> torch.Tensor:
 def compressed_positions(positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Positions [..., N] (any order, `valid` marks real tokens) with the gaps between kept tokens compressed;
     the oldest kept token keeps its position. Invalid entries get arbitrary values."""
-    far = torch.iinfo(torch.long).max // 4
+    far = torch.iinfo(positions.dtype).max // 4
     ordered, order = positions.masked_fill(~valid, far).sort(-1)
     gaps = compress_gaps(ordered.diff(dim=-1))
-    steps = torch.cat([ordered[..., :1], gaps], -1).cumsum(-1)
+    steps = torch.cat([ordered[..., :1], gaps], -1).cumsum(-1).to(positions.dtype)
     return torch.empty_like(positions).scatter_(-1, order, steps)
 
 
