@@ -58,7 +58,9 @@ def run(model, make_cache, prompt: torch.Tensor, batch: int, steps: int) -> dict
     step = statistics.median(times[2:] if steps > 4 else times)
     result = {"prefill_s": prefill, "step_s": step, "tokens_per_s": batch / step, "kv_bytes": kv_bytes(cache)}
     if hasattr(cache, "stats"):
-        result["read_reduction"] = cache.stats().read_reduction
+        stats = cache.stats()
+        result["read_reduction"] = stats.read_reduction
+        result["over_budget"] = stats.capacity_evictions if cache.policy.name == "dms" else None
     return result
 
 
@@ -113,7 +115,9 @@ def main() -> None:
             print(f"batch {batch:>2} {name:<20} step {1000 * result['step_s']:8.1f} ms  "
                   f"x{result['step_s'] / full['step_s']:5.2f}  KV {result['kv_bytes'] / 2**20:8.1f} MiB  "
                   f"x{result['kv_bytes'] / full['kv_bytes']:6.3f}  reads /{result.get('read_reduction', 1.0):5.2f}  "
-                  f"prefill {result['prefill_s']:6.1f} s", flush=True)
+                  f"prefill {result['prefill_s']:6.1f} s"
+                  + (f"  forced evictions {result['over_budget']}" if result.get("over_budget") is not None else ""),
+                  flush=True)
     print("KV memory target: <= 1/8 of full (+ window/context for DMS)")
     for batch in args.batches:
         if ("tova", batch) in rows and ("window", batch) in rows:

@@ -27,6 +27,7 @@ class BoundedLayer(CacheLayerMixin):
         self.slots = policy.capacity()
         self.chunk_size = chunk_size
         self.seen = 0  # tokens processed, padding included: what transformers counts positions from
+        self.in_use = 0  # slots [0, in_use) may hold tokens; later ones are still empty and are not read
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.tokens_seen = 0  # real tokens, over the batch
         self.decode_steps = 0
@@ -77,7 +78,7 @@ class BoundedLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.is_initialized = False
         self.keys = self.values = None
-        self.seen = self.tokens_seen = self.decode_steps = 0
+        self.seen = self.in_use = self.tokens_seen = self.decode_steps = 0
         self.decode_reads = self.full_cache_reads = self.capacity_evictions = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -131,13 +132,15 @@ class BoundedLayer(CacheLayerMixin):
 
     def _attend_chunk(self, query, keys, values, positions, real, gate, scaling, decode):
         batch, heads, c, dim = query.shape
-        kv_heads, slots = keys.shape[1], self.slots
+        kv_heads = keys.shape[1]
         group = heads // kv_heads
+        slots = min(self.in_use + c, self.slots)  # the used slots plus room for this chunk
+        slot_keys, slot_values = self.keys[:, :, :slots], self.values[:, :, :slots]
         positions = positions.to(torch.int32)
         new_pos = torch.where(real, positions, torch.full_like(positions, -1))[:, None].expand(-1, kv_heads, -1)
-        cand_pos = torch.cat([self.positions, new_pos], -1)
+        cand_pos = torch.cat([self.positions[..., :slots], new_pos], -1)
         cand_ok = cand_pos >= 0
-        state = {name: torch.cat([t, torch.full((batch, kv_heads, c), self.policy.state[name][1], dtype=t.dtype,
+        state = {name: torch.cat([t[..., :slots], torch.full((batch, kv_heads, c), self.policy.state[name][1], dtype=t.dtype,
                                                 device=t.device)], -1) for name, t in self.state.items()}
         chunk = Chunk(query=query.view(batch, kv_heads, group, c, dim), positions=positions, real=real, gate=gate,
                       cand_pos=cand_pos, cand_ok=cand_ok, state=state, num_slots=slots)
@@ -150,11 +153,11 @@ class BoundedLayer(CacheLayerMixin):
         if extra is not None:
             visible = visible & extra
         if decode and isinstance(self.policy, Quest):
-            visible = visible & self._quest_pages(chunk.query[:, :, :, 0], c)
+            visible = visible & self._quest_pages(chunk.query[:, :, :, 0], slots, c)
 
-        slot_keys, new_keys = self.keys, keys
+        new_keys = keys
         if self.inv_freq is not None:
-            query, slot_keys, new_keys = self._compress_positions(chunk, query, keys)
+            query, slot_keys, new_keys = self._compress_positions(chunk, slot_keys, keys)
         flat_q = query.reshape(batch, kv_heads, group * c, dim)
         scores = torch.cat([flat_q @ slot_keys.transpose(-1, -2), flat_q @ new_keys.transpose(-1, -2)], -1)
         dtype = torch.promote_types(scores.dtype, torch.float32)  # softmax in float32 at least (float64 stays)
@@ -162,45 +165,46 @@ class BoundedLayer(CacheLayerMixin):
         scores.masked_fill_(~visible, torch.finfo(dtype).min)
         probs = scores.softmax(-1)
         flat_p = probs.to(values.dtype).view(batch, kv_heads, group * c, slots + c)
-        out = flat_p[..., :slots] @ self.values + flat_p[..., slots:] @ values
+        out = flat_p[..., :slots] @ slot_values + flat_p[..., slots:] @ values
 
         self.row_tokens += real.sum(-1)
         if decode:
             self.decode_reads += int(visible.any(2).sum())
             self.full_cache_reads += int(self.row_tokens.sum()) * kv_heads
         score = self.policy.keep_scores(chunk, probs if self.policy.needs_probs else None)
-        if c == 1 and self.policy.evict_to() == slots:
+        if c == 1 and self.policy.evict_to() == self.slots:
             self._retain_one(chunk, score, keys, values)
         else:
             self._retain(chunk, score, keys, values)
+        self.in_use = slots
         return out.view(batch, heads, c, -1)
 
-    def _compress_positions(self, chunk: Chunk, query, keys):
+    def _compress_positions(self, chunk: Chunk, slot_keys, keys):
         """Query and keys re-rotated from their true positions to the gap-compressed ones."""
-        slots = self.slots
+        slots = chunk.num_slots
         target = compressed_positions(chunk.cand_pos, chunk.cand_ok)
         delta = torch.where(chunk.cand_ok, target - chunk.cand_pos, torch.zeros_like(target))
-        slot_keys = rotate(self.keys, delta[..., :slots], self.inv_freq)
+        slot_keys = rotate(slot_keys, delta[..., :slots], self.inv_freq)
         new_keys = rotate(keys, delta[..., slots:], self.inv_freq)
         batch, kv_heads, group, c, dim = chunk.query.shape
         query = rotate(chunk.query, delta[:, :, None, slots:].expand(-1, -1, group, -1), self.inv_freq)
         return query.reshape(batch, kv_heads * group, c, dim), slot_keys, new_keys
 
-    def _quest_pages(self, query, c) -> torch.Tensor:
+    def _quest_pages(self, query, slots: int, c: int) -> torch.Tensor:
         """[B, Hkv, G, 1, N]: slots in the pages each query head picked, plus the new token."""
         page = self.policy.page_size
         occupied = (self.positions >= 0).view(*self.positions.shape[:2], -1, page).any(-1)
         chosen = self.policy.page_selection(query, self.key_min, self.key_max, occupied)
-        tokens = chosen.repeat_interleave(page, -1)
+        tokens = chosen.repeat_interleave(page, -1)[..., :slots]
         return torch.cat([tokens, tokens.new_ones(*tokens.shape[:3], c)], -1)[:, :, :, None]
 
     # --- eviction ----------------------------------------------------------------------------------------
     def _retain_one(self, chunk: Chunk, score: torch.Tensor, keys, values) -> None:
         """Decode fast path: one new token, at most one eviction. The lowest-scoring candidate makes room:
         an empty or dropped slot if there is one, else the weakest token (the new one included)."""
-        slots = self.slots
+        slots = chunk.num_slots
         score = score.masked_fill(~chunk.cand_ok, NEG)
-        self.positions.masked_fill_(score[..., :slots] == NEG, -1)  # free slots the policy dropped
+        self.positions[..., :slots].masked_fill_(score[..., :slots] == NEG, -1)  # free slots the policy dropped
         lowest, victim = score.min(-1)
         if bool(torch.isposinf(lowest).any()):
             raise self._overflow()
@@ -208,7 +212,7 @@ class BoundedLayer(CacheLayerMixin):
         write = (victim < slots) & chunk.cand_ok[..., slots]  # the new token stays (in the victim's slot)
         index = victim.clamp(max=slots - 1)[..., None]
         for name, t in self.state.items():
-            t.copy_(chunk.state[name][..., :slots])
+            t[..., :slots].copy_(chunk.state[name][..., :slots])
         tensors = [(self.positions, chunk.cand_pos[..., slots:]), (self.keys, keys), (self.values, values)]
         tensors += [(self.state[name], chunk.state[name][..., slots:]) for name in self.state]
         for stored, new in tensors:
@@ -225,7 +229,7 @@ class BoundedLayer(CacheLayerMixin):
                            f"head hold (budget={self.policy.budget}); raise the budget")
 
     def _retain(self, chunk: Chunk, score: torch.Tensor, keys, values) -> None:
-        slots = self.slots
+        slots = self.slots  # the capacity (candidates may cover fewer slots while the cache fills)
         score = score.float().masked_fill(~chunk.cand_ok, NEG)
         dropped = score == NEG
         count = (~dropped).sum(-1)
@@ -243,11 +247,11 @@ class BoundedLayer(CacheLayerMixin):
         self._commit(chunk, kept, keys, values)
 
     def _commit(self, chunk: Chunk, kept: torch.Tensor, keys, values) -> None:
-        slots = self.slots
+        slots = chunk.num_slots
         slot_kept, new_kept = kept[..., :slots], kept[..., slots:]
-        self.positions.masked_fill_(~slot_kept, -1)
+        self.positions[..., :slots].masked_fill_(~slot_kept, -1)
         for name, t in self.state.items():
-            t.copy_(chunk.state[name][..., :slots])
+            t[..., :slots].copy_(chunk.state[name][..., :slots])
         if bool(new_kept.any()):
             free = (~slot_kept).to(torch.int8)
             if new_kept.shape[-1] == 1:
