@@ -152,8 +152,12 @@ class BoundedLayer(CacheLayerMixin):
         extra = self.policy.visibility(chunk)
         if extra is not None:
             visible = visible & extra
+        self.row_tokens += real.sum(-1)
         if decode and isinstance(self.policy, Quest):
-            visible = visible & self._quest_pages(chunk.query[:, :, :, 0], slots, c)
+            out = self._quest_decode(chunk, keys, values, scaling)
+            self._retain_one(chunk, self.policy.keep_scores(chunk, None), keys, values)
+            self.in_use = slots
+            return out
 
         new_keys = keys
         if self.inv_freq is not None:
@@ -167,7 +171,6 @@ class BoundedLayer(CacheLayerMixin):
         flat_p = probs.to(values.dtype).view(batch, kv_heads, group * c, slots + c)
         out = flat_p[..., :slots] @ slot_values + flat_p[..., slots:] @ values
 
-        self.row_tokens += real.sum(-1)
         if decode:
             self.decode_reads += int(visible.any(2).sum())
             self.full_cache_reads += int(self.row_tokens.sum()) * kv_heads
@@ -190,13 +193,30 @@ class BoundedLayer(CacheLayerMixin):
         query = rotate(chunk.query, delta[:, :, None, slots:].expand(-1, -1, group, -1), self.inv_freq)
         return query.reshape(batch, kv_heads * group, c, dim), slot_keys, new_keys
 
-    def _quest_pages(self, query, slots: int, c: int) -> torch.Tensor:
-        """[B, Hkv, G, 1, N]: slots in the pages each query head picked, plus the new token."""
+    def _quest_decode(self, chunk: Chunk, keys, values, scaling) -> torch.Tensor:
+        """Quest's decode step: each query head gathers and reads only its chosen pages (and the new key)."""
+        batch, kv_heads, group, _, dim = chunk.query.shape
         page = self.policy.page_size
-        occupied = (self.positions >= 0).view(*self.positions.shape[:2], -1, page).any(-1)
-        chosen = self.policy.page_selection(query, self.key_min, self.key_max, occupied)
-        tokens = chosen.repeat_interleave(page, -1)[..., :slots]
-        return torch.cat([tokens, tokens.new_ones(*tokens.shape[:3], c)], -1)[:, :, :, None]
+        query = chunk.query[:, :, :, 0]  # [B, Hkv, G, D]
+        occupied = (self.positions >= 0).view(batch, kv_heads, -1, page).any(-1)
+        top = self.policy.top_pages(query, self.key_min, self.key_max, occupied)  # [B, Hkv, G, k]
+        tokens = (top[..., None] * page + torch.arange(page, device=top.device)).flatten(-2)  # [B, Hkv, G, k*page]
+        at = tokens[..., None].expand(-1, -1, -1, -1, dim)
+        picked_keys = self.keys[:, :, None].expand(-1, -1, group, -1, -1).gather(3, at)
+        picked_values = self.values[:, :, None].expand(-1, -1, group, -1, -1).gather(3, at)
+        ok = self.positions[:, :, None].expand(-1, -1, group, -1).gather(3, tokens) >= 0
+        dtype = torch.promote_types(query.dtype, torch.float32)
+        scores = torch.cat([(picked_keys @ query[..., None])[..., 0], (query * keys[:, :, None, 0]).sum(-1, keepdim=True)], -1)
+        scores = scores.to(dtype) * scaling
+        scores[..., :-1].masked_fill_(~ok, torch.finfo(dtype).min)
+        probs = scores.softmax(-1).to(values.dtype)
+        out = (probs[..., None, :-1] @ picked_values)[..., 0, :] + probs[..., -1:] * values[:, :, None, 0]
+
+        read_pages = torch.zeros_like(occupied).scatter_(-1, top.flatten(2), True)  # union over the query group
+        read = read_pages.repeat_interleave(page, -1) & (self.positions >= 0)
+        self.decode_reads += int(read.sum()) + int(chunk.cand_ok[..., -1].sum())
+        self.full_cache_reads += int(self.row_tokens.sum()) * kv_heads
+        return out.reshape(batch, kv_heads * group, 1, -1)
 
     # --- eviction ----------------------------------------------------------------------------------------
     def _retain_one(self, chunk: Chunk, score: torch.Tensor, keys, values) -> None:

@@ -301,20 +301,19 @@ class Quest(Policy):
     def keep_scores(self, chunk, probs):
         return torch.full(chunk.cand_pos.shape, POS, device=chunk.cand_pos.device)
 
-    def page_selection(self, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor,
-                       page_ok: torch.Tensor) -> torch.Tensor:
-        """[B, Hkv, G, pages] True for the pages each query head reads.
+    def top_pages(self, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor,
+                  page_ok: torch.Tensor) -> torch.Tensor:
+        """[B, Hkv, G, k] the pages each query head reads: the newest page, then the best by key bound.
 
-        query [B, Hkv, G, D]; key_min/key_max [B, Hkv, pages, D]: element-wise key bounds per page.
+        query [B, Hkv, G, D]; key_min/key_max [B, Hkv, pages, D]: element-wise key bounds per page. An upper
+        bound of q.k over a page is sum_d max(q_d * min_d, q_d * max_d).
         """
         q = query[:, :, :, None, :]
         bound = torch.maximum(q * key_min[:, :, None], q * key_max[:, :, None]).sum(-1)
         bound = bound.masked_fill(~page_ok[:, :, None], NEG)
         newest = page_ok.long().cumsum(-1).argmax(-1, keepdim=True)  # last page holding a token
         bound.scatter_(-1, newest[:, :, None].expand(-1, -1, bound.shape[2], -1), POS)
-        k = min(self.pages, bound.shape[-1])
-        chosen = torch.zeros_like(bound, dtype=torch.bool).scatter_(-1, bound.topk(k, dim=-1).indices, True)
-        return chosen & page_ok[:, :, None]
+        return bound.topk(min(self.pages, bound.shape[-1]), dim=-1).indices
 
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, Window, Sink, H2O, TOVA, DMS, TrimKV, Quest)}
