@@ -147,11 +147,6 @@ class BoundedLayer(CacheLayerMixin):
         if gate is not None:
             self.policy.candidate_state(chunk)
 
-        causal = cand_pos[:, :, None, :] <= positions[:, None, :, None]
-        visible = (cand_ok[:, :, None, :] & causal)[:, :, None]  # [B, Hkv, 1, c, N]
-        extra = self.policy.visibility(chunk)
-        if extra is not None:
-            visible = visible & extra
         self.row_tokens += real.sum(-1)
         if decode and isinstance(self.policy, Quest):
             out = self._quest_decode(chunk, keys, values, scaling)
@@ -159,6 +154,11 @@ class BoundedLayer(CacheLayerMixin):
             self.in_use = slots
             return out
 
+        causal = cand_pos[:, :, None, :] <= positions[:, None, :, None]
+        visible = (cand_ok[:, :, None, :] & causal)[:, :, None]  # [B, Hkv, 1, c, N]
+        extra = self.policy.visibility(chunk)
+        if extra is not None:
+            visible = visible & extra
         new_keys = keys
         if self.inv_freq is not None:
             query, slot_keys, new_keys = self._compress_positions(chunk, slot_keys, keys)
