@@ -143,7 +143,8 @@ class RetrofitModule(L.LightningModule):
         params = trainable_parameters(self.model)
         optimizer_cls = torch.optim.AdamW
         if self.cfg.strategy.name == "deepspeed" and self.cfg.strategy.offload_optimizer:
-            from deepspeed.ops.adam import DeepSpeedCPUAdam  # ZeRO-Offload steps on the host (built on first use)
+            # ZeRO-Offload steps on the host; DeepSpeed refuses a client torch optimizer (compiled on first use)
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
 
             optimizer_cls = functools.partial(DeepSpeedCPUAdam, adamw_mode=True)
         optimizer = optimizer_cls(params, lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay)

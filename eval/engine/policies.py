@@ -272,7 +272,7 @@ class TrimKV(Policy):
         return self.budget
 
 
-class Quest(Policy):
+class Quest(Full):
     """Quest (query-aware page selection): keeps every token, but each decode query head reads only the
     `budget // page_size` pages whose key bounds promise the largest score (plus the newest page).
 
@@ -297,9 +297,6 @@ class Quest(Policy):
 
     def capacity(self):
         return self.max_length
-
-    def keep_scores(self, chunk, probs):
-        return torch.full(chunk.cand_pos.shape, POS, device=chunk.cand_pos.device)
 
     def top_pages(self, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor,
                   page_ok: torch.Tensor) -> torch.Tensor:
