@@ -21,6 +21,8 @@ import time
 import torch
 from transformers import AutoTokenizer, DynamicCache
 
+from eval.engine import BoundedCache
+
 FULL = "full (DynamicCache)"
 
 
@@ -31,14 +33,6 @@ def essay_prompt(tokenizer, length: int) -> torch.Tensor:
     if ids.shape[1] < length:
         raise SystemExit(f"the essay text gave only {ids.shape[1]} tokens; lower --context")
     return ids
-
-
-def kv_bytes(cache) -> int:
-    from eval.engine import BoundedCache
-
-    if isinstance(cache, BoundedCache):
-        return cache.stats().bytes_allocated
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
 @torch.no_grad()
@@ -56,11 +50,14 @@ def run(model, make_cache, prompt: torch.Tensor, batch: int, steps: int) -> dict
         token = model(token, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
         times.append(time.perf_counter() - start)
     step = statistics.median(times[2:] if steps > 4 else times)
-    result = {"prefill_s": prefill, "step_s": step, "tokens_per_s": batch / step, "kv_bytes": kv_bytes(cache)}
-    if hasattr(cache, "stats"):
+    result = {"prefill_s": prefill, "step_s": step, "tokens_per_s": batch / step}
+    if isinstance(cache, BoundedCache):
         stats = cache.stats()
+        result["kv_bytes"] = stats.bytes_allocated
         result["read_reduction"] = stats.read_reduction
         result["over_budget"] = stats.capacity_evictions if cache.policy.name == "dms" else None
+    else:
+        result["kv_bytes"] = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
     return result
 
 
@@ -78,7 +75,6 @@ def main() -> None:
     parser.add_argument("--cap-steps", type=int, default=16, help="decode steps timed per throughput row")
     args = parser.parse_args()
 
-    from eval.engine import BoundedCache
     from models import load_backbone
     from models.backbone import embedded_model_dir
 

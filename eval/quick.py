@@ -17,8 +17,8 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 import models
-from models import masks
 from checkpoints import list_snapshots, load_snapshot
+from models import masks
 from models.gates import GateMode
 from train.config import RunConfig
 from train.losses import token_kl

@@ -55,7 +55,7 @@ def gated_attention(module, query, key, value, attention_mask, scaling=None, dro
     gate = getattr(module, "kv_gate", None)
     if gate is None or not gate.active:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    batch, heads, q_len, head_dim = query.shape
+    batch, _, q_len, head_dim = query.shape
     k_len = key.shape[2]
     valid = _valid_pattern(attention_mask, batch, q_len, k_len, query.device)
     query = gate.mask_query(query)

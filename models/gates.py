@@ -159,7 +159,8 @@ class KVGate(nn.Module):
             if self._history is None or self._history.shape[-1] != past:
                 have = 0 if self._history is None else self._history.shape[-1]
                 raise GateError(f"layer {self.layer_idx}: the cache holds {past} earlier tokens but the gate saw "
-                                f"{have}; gated generation needs a cache that keeps every token in order (DynamicCache)")
+                                f"{have}; gated generation needs a cache that keeps every token in order (DynamicCache), "
+                                "or eval.engine.BoundedCache for one that evicts")
             values = torch.cat([self._history, self._current], dim=-1)
         if self.state.mode is GateMode.INFER:
             self._history = values.detach()
