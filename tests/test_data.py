@@ -127,3 +127,17 @@ def test_self_generated_traces_are_batched_saved_and_reused(tokenizer, tmp_path)
     assert len(packed) >= 1
     with pytest.raises(DataError, match="must be a folder written by"):
         load_source(cfg(source="traces", path=str(tmp_path / "nope")), seed=0, num_rows=-1)
+
+
+def test_essay_training_rows_never_touch_the_held_out_tenth():
+    from data.sources import essay_text, essays
+
+    train, heldout, whole = essay_text("train"), essay_text("heldout"), essay_text("all")
+    assert whole.startswith(train) and whole.rstrip().endswith(heldout.rstrip())
+    assert 0.08 < len(heldout) / len(whole) < 0.12
+    flat = lambda text: " ".join(text.split())  # noqa: E731
+    train, heldout = flat(train), flat(heldout)
+    spans = [flat(p)[:200] for row in essays(-1, seed=0)["text"] for p in row.split("\n\n") if len(flat(p)) > 200]
+    assert len(spans) > 100 and all(span in train and span not in heldout for span in spans)
+    with pytest.raises(ValueError, match="essay split 'test' is invalid"):
+        essay_text("test")

@@ -161,12 +161,18 @@ def available_recipes() -> list[str]:
 
 def load_recipe(name: str = DEFAULT_RECIPE, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Schema <- recipes/NAME.yaml <- overrides, then validated; returns a typed RunConfig."""
-    recipes = available_recipes()
+    config = load_structured(RunConfig, RECIPES_DIR, name, overrides)
+    validate(config)
+    return config
+
+
+def load_structured(schema: type, folder: Path, name: str, overrides: list[str] | tuple[str, ...] = ()):
+    """A dataclass `schema` <- folder/NAME.yaml <- `key=value` overrides (the recipe system of training and
+    evaluation alike). The schema's `recipe` field is set to NAME."""
+    recipes = sorted(p.stem for p in folder.glob("*.yaml"))
     if name not in recipes:
         raise RecipeError(f"unknown recipe {name!r}; available recipes: {', '.join(recipes)}")
-    schema = OmegaConf.structured(RunConfig)
-    recipe = OmegaConf.load(RECIPES_DIR / f"{name}.yaml")
-    merged = _merge(schema, recipe, f"recipe {name}")
+    merged = _merge(OmegaConf.structured(schema), OmegaConf.load(folder / f"{name}.yaml"), f"recipe {name}")
     merged.recipe = name
     for item in overrides:
         if "=" not in item:
@@ -176,11 +182,9 @@ def load_recipe(name: str = DEFAULT_RECIPE, overrides: list[str] | tuple[str, ..
             raise RecipeError("recipe= must come before the overrides and appear once")
         merged = _merge(merged, OmegaConf.from_dotlist([item]), f"override {item!r}")
     try:
-        config: RunConfig = OmegaConf.to_object(merged)
+        return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise RecipeError(f"recipe {name}: {_describe(err)}") from None
-    validate(config)
-    return config
 
 
 def _merge(base: DictConfig, update: DictConfig, origin: str) -> DictConfig:

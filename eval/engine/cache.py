@@ -51,6 +51,15 @@ class CacheStats:
     bytes_allocated: int
     capacity_evictions: int  # evictions because the slots were full (for DMS: forced past its own decisions)
     compression: float  # tokens seen per token kept, per sequence, averaged over layers and KV heads
+    query_reads: int = 0  # keys read by every real query (prefill chunks included), over layers, KV heads, sequences
+    query_full_reads: int = 0  # what a full cache would have read for the same queries
+    mean_tokens: torch.Tensor | None = None  # [layers, KV heads] tokens held, averaged over the real tokens seen
+
+    @property
+    def reads_per_query(self) -> float:
+        """Keys one real query reads, on average per (layer, KV head): the read cost of attention."""
+        per_head = self.peak_tokens.numel() * self.tokens_seen
+        return self.query_reads / per_head if per_head else float("nan")
 
     @property
     def read_reduction(self) -> float:
@@ -62,7 +71,9 @@ class CacheStats:
                 "decode_steps": self.decode_steps, "kv_reads": self.kv_reads, "full_cache_reads": self.full_cache_reads,
                 "read_reduction": round(self.read_reduction, 3), "compression": round(self.compression, 3),
                 "peak_tokens": int(self.peak_tokens.max()), "bytes_allocated": self.bytes_allocated,
-                "capacity_evictions": self.capacity_evictions}
+                "capacity_evictions": self.capacity_evictions, "query_reads": self.query_reads,
+                "query_full_reads": self.query_full_reads,
+                "mean_tokens": None if self.mean_tokens is None else round(float(self.mean_tokens.mean()), 2)}
 
 
 class BoundedCache(Cache):
@@ -123,7 +134,12 @@ class BoundedCache(Cache):
             peak_tokens=torch.stack([layer.peak for layer in self.layers]).cpu(), kept_tokens=held.cpu(),
             bytes_allocated=sum(layer.bytes_allocated for layer in self.layers),
             capacity_evictions=sum(layer.capacity_evictions for layer in self.layers),
-            compression=first.tokens_seen / first.keys.shape[0] / max(1e-9, float(held.mean())))
+            compression=first.tokens_seen / first.keys.shape[0] / max(1e-9, float(held.mean())),
+            query_reads=int(sum(layer.query_reads for layer in self.layers)),
+            query_full_reads=int(sum(layer.query_full_reads for layer in self.layers)),
+            mean_tokens=torch.stack([torch.as_tensor(layer.held_integral, dtype=torch.float64, device="cpu")
+                                     .expand(len(layer.peak)).cpu() / max(layer.tokens_seen, 1)
+                                     for layer in self.layers]))
 
 
 def register_engine_attention() -> None:

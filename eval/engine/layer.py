@@ -35,6 +35,9 @@ class BoundedLayer(CacheLayerMixin):
         self.full_cache_reads = 0
         self.capacity_evictions = 0
         self.peak: torch.Tensor | None = None  # [Hkv] most tokens held by any sequence at once
+        # every query, prefill chunks too; tensors, so that counting never waits on the device:
+        self.query_reads: torch.Tensor | int = 0  # keys read, over real queries, KV heads and sequences
+        self.held_integral: torch.Tensor | int = 0  # [Hkv] tokens held after each real token, summed over them
 
     # --- the transformers layer API -------------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states):
@@ -80,6 +83,7 @@ class BoundedLayer(CacheLayerMixin):
         self.keys = self.values = None
         self.seen = self.in_use = self.tokens_seen = self.decode_steps = 0
         self.decode_reads = self.full_cache_reads = self.capacity_evictions = 0
+        self.query_reads = self.held_integral = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select_batch(beam_idx)
@@ -99,6 +103,15 @@ class BoundedLayer(CacheLayerMixin):
         self.state = {name: t.index_select(0, index) for name, t in self.state.items()}
         if isinstance(self.policy, Quest):
             self.key_min, self.key_max = self.key_min.index_select(0, index), self.key_max.index_select(0, index)
+
+    @property
+    def query_full_reads(self) -> int:
+        """Keys a full cache would have read for every real query so far: the k-th real token of a sequence
+        reads k keys per KV head."""
+        if not self.is_initialized:
+            return 0
+        n = self.row_tokens.long()
+        return int((n * (n + 1) // 2).sum()) * self.keys.shape[1]
 
     @property
     def bytes_allocated(self) -> int:
@@ -152,6 +165,7 @@ class BoundedLayer(CacheLayerMixin):
             out = self._quest_decode(chunk, keys, values, scaling)
             self._retain_one(chunk, self.policy.keep_scores(chunk, None), keys, values)
             self.in_use = slots
+            self._count_held(real)
             return out
 
         causal = cand_pos[:, :, None, :] <= positions[:, None, :, None]
@@ -171,8 +185,10 @@ class BoundedLayer(CacheLayerMixin):
         flat_p = probs.to(values.dtype).view(batch, kv_heads, group * c, slots + c)
         out = flat_p[..., :slots] @ slot_values + flat_p[..., slots:] @ values
 
+        reads = (visible.any(2) & real[:, None, :, None]).sum()
+        self.query_reads += reads
         if decode:
-            self.decode_reads += int(visible.any(2).sum())
+            self.decode_reads += int(reads)
             self.full_cache_reads += int(self.row_tokens.sum()) * kv_heads
         score = self.policy.keep_scores(chunk, probs if self.policy.needs_probs else None)
         if c == 1 and self.policy.evict_to() == self.slots:
@@ -180,7 +196,13 @@ class BoundedLayer(CacheLayerMixin):
         else:
             self._retain(chunk, score, keys, values)
         self.in_use = slots
+        self._count_held(real)
         return out.view(batch, heads, c, -1)
+
+    def _count_held(self, real: torch.Tensor) -> None:
+        """Add the tokens held after this chunk once per real token in it (memory over time, per KV head)."""
+        held = (self.positions >= 0).sum(-1)  # [B, Hkv]
+        self.held_integral += (held * real.sum(-1, keepdim=True)).sum(0)
 
     def _compress_positions(self, chunk: Chunk, slot_keys, keys):
         """Query and keys re-rotated from their true positions to the gap-compressed ones."""
@@ -214,7 +236,9 @@ class BoundedLayer(CacheLayerMixin):
 
         read_pages = torch.zeros_like(occupied).scatter_(-1, top.flatten(2), True)  # union over the query group
         read = read_pages.repeat_interleave(page, -1) & (self.positions >= 0)
-        self.decode_reads += int(read.sum()) + int(chunk.cand_ok[..., -1].sum())
+        reads = int(read.sum()) + int(chunk.cand_ok[..., -1].sum())
+        self.decode_reads += reads
+        self.query_reads += reads
         self.full_cache_reads += int(self.row_tokens.sum()) * kv_heads
         return out.reshape(batch, kv_heads * group, 1, -1)
 
