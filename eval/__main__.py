@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "policies through the bounded-memory engine.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     for suite in suites:
-        p = sub.add_parser(suite, help=f"the {suite} sweep (recipes/eval/{suite}.yaml); key=value overrides")
+        p = sub.add_parser(suite, help=f"run recipes/eval/{suite}.yaml (key=value overrides)")
         p.add_argument("overrides", nargs="*", help="key=value, e.g. budgets=[64,128] snapshots=[outputs/RUN]")
         _device_flags(p)
     report = sub.add_parser("report", help="markdown report with Pareto plots of a results folder")

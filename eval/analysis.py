@@ -9,6 +9,8 @@ a positive value always means A is better).
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 
 def pareto_frontier(points: list[tuple[float, float]], higher_is_better: bool = True) -> list[tuple[float, float]]:
     sign = 1.0 if higher_is_better else -1.0
@@ -24,7 +26,7 @@ def pareto_frontier(points: list[tuple[float, float]], higher_is_better: bool = 
 
 def interpolate(front: list[tuple[float, float]], x: float) -> float:
     """The frontier's score at cost x (linear between points; x must lie within the frontier's costs)."""
-    for (x0, y0), (x1, y1) in zip(front, front[1:]):
+    for (x0, y0), (x1, y1) in pairwise(front):
         if x0 <= x <= x1:
             return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
     if front and x == front[0][0]:
@@ -44,5 +46,5 @@ def integrated_improvement(front_a: list[tuple[float, float]], front_b: list[tup
     xs = sorted({low, high, *(x for x, _ in front_a + front_b if low < x < high)})
     # the difference is linear between consecutive breakpoints, so the trapezoid rule is exact
     diff = [interpolate(front_a, x) - interpolate(front_b, x) for x in xs]
-    area = sum((x1 - x0) * (d0 + d1) / 2 for x0, x1, d0, d1 in zip(xs, xs[1:], diff, diff[1:]))
+    area = sum((x1 - x0) * (d0 + d1) / 2 for (x0, x1), (d0, d1) in zip(pairwise(xs), pairwise(diff)))
     return (area / (high - low)) * (1.0 if higher_is_better else -1.0)

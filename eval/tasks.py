@@ -14,6 +14,7 @@ import dataclasses
 import random
 import re
 import string
+from itertools import pairwise
 
 import torch
 
@@ -156,7 +157,7 @@ def variable_tracking_examples(cfg, tokenizer, seed: int) -> list[Example]:
             for c in range(cfg.chains):
                 chain_vars = names[c * (cfg.hops + 1):(c + 1) * (cfg.hops + 1)]
                 statements = [f"VAR {chain_vars[0]} = {rng.randint(10000, 99999)}."]
-                statements += [f"VAR {b} = VAR {a}." for a, b in zip(chain_vars, chain_vars[1:])]
+                statements += [f"VAR {b} = VAR {a}." for a, b in pairwise(chain_vars)]
                 chains.append((chain_vars, statements))
             value = chains[0][1][0].split("=")[1].strip(" .")
             fractions = sorted(rng.random() for _ in range(sum(len(s) for _, s in chains)))

@@ -62,7 +62,7 @@ def test_local_tasks_run_through_the_engine(tmp_path, lm):
 def test_loglikelihood_equals_a_plain_forward_when_the_budget_holds_everything(tiny_backbone_for_lm):
     lm = RetroKVLM(pretrained=tiny_backbone_for_lm, policy="window", budget=512, device="cpu")
     context, continuation = "The sky is", " blue today"
-    (logprob, greedy), = lm.loglikelihood([Instance("loglikelihood", {}, (context, continuation), 0)])
+    (logprob, _greedy), = lm.loglikelihood([Instance("loglikelihood", {}, (context, continuation), 0)])
     ids = lm.tokenizer(context + continuation, add_special_tokens=False).input_ids
     n = len(ids) - len(lm.tokenizer(context, add_special_tokens=False).input_ids)
     lm.model.set_attn_implementation("sdpa")

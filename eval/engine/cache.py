@@ -127,19 +127,19 @@ class BoundedCache(Cache):
         if not first.is_initialized:
             raise EngineError("the cache has not been used yet")
         held = torch.stack([(layer.positions >= 0).sum(-1).float().mean(0) for layer in self.layers])
+        seen = int(first.tokens_seen)
         return CacheStats(
-            policy=self.policy.name, budget=self.policy.budget, slots=first.slots, tokens_seen=first.tokens_seen,
-            decode_steps=first.decode_steps, kv_reads=sum(layer.decode_reads for layer in self.layers),
-            full_cache_reads=sum(layer.full_cache_reads for layer in self.layers),
+            policy=self.policy.name, budget=self.policy.budget, slots=first.slots, tokens_seen=seen,
+            decode_steps=first.decode_steps, kv_reads=int(sum(layer.decode_reads for layer in self.layers)),
+            full_cache_reads=int(sum(layer.full_cache_reads for layer in self.layers)),
             peak_tokens=torch.stack([layer.peak for layer in self.layers]).cpu(), kept_tokens=held.cpu(),
             bytes_allocated=sum(layer.bytes_allocated for layer in self.layers),
-            capacity_evictions=sum(layer.capacity_evictions for layer in self.layers),
-            compression=first.tokens_seen / first.keys.shape[0] / max(1e-9, float(held.mean())),
+            capacity_evictions=int(sum(layer.capacity_evictions for layer in self.layers)),
+            compression=seen / first.keys.shape[0] / max(1e-9, float(held.mean())),
             query_reads=int(sum(layer.query_reads for layer in self.layers)),
-            query_full_reads=int(sum(layer.query_full_reads for layer in self.layers)),
-            mean_tokens=torch.stack([torch.as_tensor(layer.held_integral, dtype=torch.float64, device="cpu")
-                                     .expand(len(layer.peak)).cpu() / max(layer.tokens_seen, 1)
-                                     for layer in self.layers]))
+            query_full_reads=sum(layer.query_full_reads for layer in self.layers),
+            mean_tokens=torch.stack([torch.as_tensor(layer.held_integral, dtype=torch.float64).cpu()
+                                     .expand(len(layer.peak)) / max(seen, 1) for layer in self.layers]))
 
 
 def register_engine_attention() -> None:

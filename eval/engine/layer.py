@@ -139,7 +139,7 @@ class BoundedLayer(CacheLayerMixin):
                                                 positions[:, a:b], new_real[:, a:b],
                                                 None if gate is None else gate[..., a:b], scaling, decode)
         self.seen += q_len
-        self.tokens_seen += int(new_real.sum())
+        self.tokens_seen += new_real.sum()  # counters stay tensors: no host synchronisation per layer
         self.decode_steps += int(decode)
         return out
 
@@ -188,8 +188,8 @@ class BoundedLayer(CacheLayerMixin):
         reads = (visible.any(2) & real[:, None, :, None]).sum()
         self.query_reads += reads
         if decode:
-            self.decode_reads += int(reads)
-            self.full_cache_reads += int(self.row_tokens.sum()) * kv_heads
+            self.decode_reads += reads
+            self.full_cache_reads += self.row_tokens.sum() * kv_heads
         score = self.policy.keep_scores(chunk, probs if self.policy.needs_probs else None)
         if c == 1 and self.policy.evict_to() == self.slots:
             self._retain_one(chunk, score, keys, values)
@@ -252,7 +252,7 @@ class BoundedLayer(CacheLayerMixin):
         lowest, victim = score.min(-1)
         if bool(torch.isposinf(lowest).any()):
             raise self._overflow()
-        self.capacity_evictions += int(torch.isfinite(lowest).sum())
+        self.capacity_evictions += torch.isfinite(lowest).sum()
         write = (victim < slots) & chunk.cand_ok[..., slots]  # the new token stays (in the victim's slot)
         index = victim.clamp(max=slots - 1)[..., None]
         for name, t in self.state.items():
