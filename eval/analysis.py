@@ -48,3 +48,14 @@ def integrated_improvement(front_a: list[tuple[float, float]], front_b: list[tup
     diff = [interpolate(front_a, x) - interpolate(front_b, x) for x in xs]
     area = sum((x1 - x0) * (d0 + d1) / 2 for (x0, x1), (d0, d1) in zip(pairwise(xs), pairwise(diff)))
     return (area / (high - low)) * (1.0 if higher_is_better else -1.0)
+
+
+def improvement_at(point: tuple[float, float], front_b: list[tuple[float, float]],
+                   higher_is_better: bool = True) -> float | None:
+    """A single point's score minus B's frontier at the same cost; the comparison for a learned method
+    measured at one operating point only. Past B's costliest point B keeps its best score (with a larger
+    budget B can still do what it did with less); below B's cheapest point there is no comparison (None)."""
+    if not front_b or point[0] < front_b[0][0]:
+        return None
+    b = front_b[-1][1] if point[0] >= front_b[-1][0] else interpolate(front_b, point[0])
+    return (point[1] - b) * (1.0 if higher_is_better else -1.0)

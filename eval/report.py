@@ -17,7 +17,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from eval.analysis import integrated_improvement, pareto_frontier  # noqa: E402
+from eval.analysis import improvement_at, integrated_improvement, pareto_frontier  # noqa: E402
+from eval.costs import realised_mean  # noqa: E402
 from eval.streaming import EvalError  # noqa: E402
 from eval.sweep import load_records  # noqa: E402
 
@@ -77,30 +78,33 @@ def _task_section(task: str, records: list[dict], plots: Path) -> list[str]:
     for record in records:
         if record["learned"] and task in ("perplexity", "niah", "variable_tracking") and record["W"] == 1:
             png = plots / f"retention_{task}_{record['key']}.png"
-            length = sum(record["sequence_lengths"]) / len(record["sequence_lengths"])
-            _heatmap(torch.tensor(record["mean_kv_tokens_per_head"]) / length,
-                     f"{record['method']} on {task}: mean fraction of the text kept", png)
+            full = realised_mean(max(record["sequence_lengths"]), record["sequence_lengths"])
+            _heatmap(torch.tensor(record["mean_kv_tokens_per_head"]) / full,
+                     f"{record['method']} on {task}:\nmean KV tokens relative to the full cache", png)
             lines += [f"![retention {record['method']}](plots/{png.name})", ""]
     return lines
 
 
 def _table(records: list[dict], task: str) -> list[str]:
-    rows = ["| method | matches | score | reads/query | read reduction | mean KV | peak KV | wall s | tokens/s |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(records, key=lambda r: (not r["learned"], family(r), r["budget"])):
+    kl = task == "perplexity"
+    rows = ["| method | matches | score |" + (" KL |" if kl else "") + " reads/query | read reduction | mean KV | "
+            "peak KV | wall s | tokens/s |",
+            "|---|---|---|" + ("---|" if kl else "") + "---|---|---|---|---|---|"]
+    for r in sorted(records, key=lambda r: (not r["learned"], family(r), r["budget"], r["matches"] is not None)):
         matches = f"{r['matches']['axis'].split('_')[0]} of {r['matches']['of']}" if r["matches"] else ""
-        rows.append(f"| {r['method']} | {matches} | {r['score']:.4g} | {r['reads_per_query']:.1f} | "
-                    f"{r['read_reduction']:.2f}x | {r['mean_kv_tokens']:.1f} | {r['peak_kv_tokens']} | "
-                    f"{r['wall_s']:.0f} | {r['tokens_per_s']:.0f} |")
-    extra = []
-    if task == "perplexity":
-        extra = ["", "KL (full cache to engine, nats/token): " + ", ".join(
-            f"{r['method']} {r['kl']:.3f}" for r in records if "kl" in r)]
-    elif any(r.get("scores_by") for r in records):
-        extra = ["", "By cell coordinates: " + "; ".join(
-            f"{r['method']}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["scores_by"].items())
-            for r in records if r.get("scores_by"))]
-    return rows + extra + [""]
+        rows.append(f"| {r['method'].split(' (')[0]} | {matches} | {r['score']:.4g} |"
+                    + (f" {r['kl']:.3f} |" if kl else "")
+                    + f" {r['reads_per_query']:.1f} | {r['read_reduction']:.2f}x | {r['mean_kv_tokens']:.1f} | "
+                    f"{r['peak_kv_tokens']} | {r['wall_s']:.0f} | {r['tokens_per_s']:.0f} |")
+    plain = [r for r in records if r.get("scores_by") and not r["matches"]]
+    if not plain:
+        return rows + [""]
+    columns = list(dict.fromkeys(k for r in plain for k in r["scores_by"]))
+    rows += ["", "Score by task coordinates:", "", "| method | " + " | ".join(columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    rows += [f"| {r['method']} | " + " | ".join(f"{r['scores_by'].get(c, float('nan')):.2f}" for c in columns) + " |"
+             for r in plain]
+    return rows + [""]
 
 
 def _frontiers(records: list[dict], axis: str, higher: bool) -> dict[str, list[tuple[float, float]]]:
@@ -138,14 +142,25 @@ def _improvements(records: list[dict], higher: bool) -> list[str]:
     baselines = sorted({family(r) for r in records if not r["learned"] and r["policy"] != "full"})
     if not learned or not baselines:
         return []
-    lines = ["Integrated improvement of each learned method over each baseline (mean score difference over the "
-             "cost interval both frontiers cover; positive = the learned method is better; - = no shared interval):",
+    lines = ["Improvement of each learned method over each baseline: the mean score difference over the cost "
+             "interval both Pareto frontiers cover (DMS paper); for a learned method measured at one point, the "
+             "difference to the baseline's frontier at that point's cost (marked *). Positive = the learned "
+             "method is better; - = no shared cost range.",
              "", "| learned | baseline | over reads/query | over peak KV |", "|---|---|---|---|"]
     fronts = {axis: _frontiers(records, axis, higher) for axis in AXES}
     for a in learned:
         for b in baselines:
-            cells = [integrated_improvement(fronts[axis][a], fronts[axis][b], higher) for axis in AXES]
-            lines.append(f"| {a} | {b} | " + " | ".join("-" if c is None else f"{c:+.4g}" for c in cells) + " |")
+            cells = []
+            for axis in AXES:
+                front_a, front_b = fronts[axis][a], fronts[axis][b]
+                value = integrated_improvement(front_a, front_b, higher)
+                if value is not None:
+                    cells.append(f"{value:+.4g}")
+                elif len(front_a) == 1 and (value := improvement_at(front_a[0], front_b, higher)) is not None:
+                    cells.append(f"{value:+.4g}*")
+                else:
+                    cells.append("-")
+            lines.append(f"| {a} | {b} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
@@ -168,12 +183,12 @@ def _cr_plot(records: list[dict], name: str, png: Path) -> None:
 
 def _heatmap(kept: torch.Tensor, title: str, png: Path) -> None:
     fig, ax = plt.subplots(figsize=(3.2 + 0.5 * kept.shape[1], 0.18 * kept.shape[0] + 1.6))
-    image = ax.imshow(kept.numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=max(1e-6, float(kept.max())))
+    image = ax.imshow(kept.numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=1)
     ax.set_xlabel("KV head")
     ax.set_ylabel("layer")
     ax.set_xticks(range(kept.shape[1]))
     ax.set_title(title, fontsize=8)
-    fig.colorbar(image, ax=ax, label="fraction kept")
+    fig.colorbar(image, ax=ax, label="of the full cache")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
@@ -194,7 +209,8 @@ def retention_heatmap(snapshot: str, tokens: int, out: str | None, device: str, 
     result = stream_document(model, ids, meta["gate_kind"], budget, 32, reference_logprobs(model, ids), 0)
     png = Path(out) if out else folder / "eval" / "retention.png"
     png.parent.mkdir(parents=True, exist_ok=True)
-    _heatmap(result.stats.mean_tokens.float() / tokens,
-             f"{folder.parent.parent.name}/{folder.name}: mean fraction kept over {tokens} held-out tokens\n"
+    _heatmap(result.stats.mean_tokens.float() / realised_mean(tokens, [tokens]),
+             f"{folder.parent.parent.name}/{folder.name}: mean KV tokens relative to the full cache\n"
+             f"over {tokens} held-out tokens, "
              f"perplexity {math.exp(float(result.nll.mean())):.2f}", png)
     return png

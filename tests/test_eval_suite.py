@@ -202,7 +202,7 @@ def test_tiny_sweep_and_report(tmp_path, tiny_backbone, tiny_snapshot):
     assert pngs and all(p.stat().st_size > 1000 for p in pngs)
     for png in pngs:
         assert f"plots/{png.name}" in report
-    assert "Integrated improvement" in report and "retention" in report
+    assert "Improvement of each learned method" in report and "retention" in report
 
 
 def test_resume_after_kill_loses_and_duplicates_nothing(tmp_path, tiny_backbone):
@@ -299,3 +299,21 @@ def test_math_loaders_read_local_gsm8k_and_math500_files(tmp_path, tokenizer):
         math_examples(MathTask(source="files", path=str(bad)), tokenizer, 0)
     with pytest.raises(EvalError, match="cannot be loaded"):
         math_examples(MathTask(source="aime", path=str(tmp_path / "missing.jsonl")), tokenizer, 0)
+
+
+def test_retention_heatmap_of_a_snapshot(tmp_path, tiny_snapshot):
+    from eval.__main__ import main
+
+    png = tmp_path / "retention.png"
+    assert main(["retention", tiny_snapshot, "--tokens", "64", "--out", str(png), "--device", "cpu"]) == 0
+    assert png.stat().st_size > 1000
+
+
+def test_improvement_of_a_single_point():
+    from eval.analysis import improvement_at
+
+    front = [(1.0, 0.0), (3.0, 1.0)]
+    assert improvement_at((2.0, 1.0), front) == pytest.approx(0.5)
+    assert improvement_at((5.0, 1.0), front) == pytest.approx(0.0)  # past B's last point B keeps its best
+    assert improvement_at((0.5, 1.0), front) is None
+    assert improvement_at((2.0, 20.0), [(1.0, 30.0), (3.0, 10.0)], higher_is_better=False) == pytest.approx(0.0)
