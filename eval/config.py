@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from train.config import RecipeError, choice, load_structured
+from train.config import RecipeError, available_recipes, choice, load_structured
 
 EVAL_RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes" / "eval"
 BASELINES = ("full", "window", "sink", "h2o", "tova", "quest")
@@ -91,7 +91,7 @@ class EvalConfig:
 
 
 def available_eval_recipes() -> list[str]:
-    return sorted(p.stem for p in EVAL_RECIPES_DIR.glob("*.yaml"))
+    return available_recipes(EVAL_RECIPES_DIR)
 
 
 def load_eval_recipe(name: str, overrides: list[str] | tuple[str, ...] = ()) -> EvalConfig:

@@ -108,7 +108,9 @@ class Sweep:
         self.device = resolve_device(cfg.device)
         self.records: dict[str, dict] = {}
         self._models: dict[str | None, tuple] = {}
-        self._references: dict[int, torch.Tensor] = {}
+        self._references: dict[int, torch.Tensor] = {}  # full-cache log-probs per document, computed once
+        self._docs: list[torch.Tensor] | None = None
+        self._task_examples: dict[str, list[T.Example]] = {}
 
     # --- results folder ---------------------------------------------------------------------------------
     def run(self) -> list[dict]:
@@ -243,12 +245,12 @@ class Sweep:
                 "tokens_processed": sum(len(d) for d in docs), **meter.summary()}
 
     def _documents(self, tokenizer):
-        if not hasattr(self, "_docs"):
+        if self._docs is None:
             self._docs = T.heldout_documents(self.cfg.perplexity, tokenizer)
         return self._docs
 
     def _examples(self, task: str, tokenizer) -> list[T.Example]:
-        cache = self.__dict__.setdefault("_task_examples", {})
+        cache = self._task_examples
         if task not in cache:
             build = {"niah": T.niah_examples, "variable_tracking": T.variable_tracking_examples, "math": T.math_examples}
             cache[task] = build[task](getattr(self.cfg, task), tokenizer, self.cfg.seed)

@@ -155,8 +155,9 @@ class RunConfig:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
 
 
-def available_recipes() -> list[str]:
-    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+def available_recipes(folder: Path = RECIPES_DIR) -> list[str]:
+    """The recipe names in `folder` (training recipes by default; evaluation recipes live in recipes/eval)."""
+    return sorted(p.stem for p in folder.glob("*.yaml"))
 
 
 def load_recipe(name: str = DEFAULT_RECIPE, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -169,7 +170,7 @@ def load_recipe(name: str = DEFAULT_RECIPE, overrides: list[str] | tuple[str, ..
 def load_structured(schema: type, folder: Path, name: str, overrides: list[str] | tuple[str, ...] = ()):
     """A dataclass `schema` <- folder/NAME.yaml <- `key=value` overrides (the recipe system of training and
     evaluation alike). The schema's `recipe` field is set to NAME."""
-    recipes = sorted(p.stem for p in folder.glob("*.yaml"))
+    recipes = available_recipes(folder)
     if name not in recipes:
         raise RecipeError(f"unknown recipe {name!r}; available recipes: {', '.join(recipes)}")
     merged = _merge(OmegaConf.structured(schema), OmegaConf.load(folder / f"{name}.yaml"), f"recipe {name}")
