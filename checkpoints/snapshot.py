@@ -69,7 +69,8 @@ def load_snapshot(folder: str | Path, dtype: str | None = None, device: str = "c
 
     meta = read_meta(folder)
     model, tokenizer = models.load_backbone(meta["backbone"], dtype=dtype or meta.get("dtype", "float32"), device=device)
-    models.attach_gates(model, meta["gate_kind"], **meta["gate_settings"])
+    # snapshots written before attention sinks existed were trained (and are served) without them
+    models.attach_gates(model, meta["gate_kind"], **{"sinks": 0, **meta["gate_settings"]})
     model = configure_backbone(model, meta["backbone_mode"], lora=meta.get("lora"))
     try:
         tensors = load_file(str(Path(folder) / WEIGHTS), device=device)

@@ -48,8 +48,33 @@ def tokenize(ds: datasets.Dataset, tokenizer, mask_prompt: bool) -> datasets.Dat
     return ds.map(batch, batched=True, remove_columns=ds.column_names, desc="tokenize")
 
 
+def pack_documents(ds: datasets.Dataset, max_length: int, eos_id: int, pad_id: int) -> list[dict]:
+    """Whole documents (each followed by EOS) joined into rows, every row starting at a document start.
+
+    A document that does not fit in what is left of a row starts the next row; the rest of the row is
+    padding (attention and loss masked). Documents are already at most max_length - 1 tokens.
+    """
+    rows, ids, loss = [], [], []
+
+    def close():
+        pad = max_length - len(ids)
+        rows.append({"input_ids": ids + [pad_id] * pad, "loss_mask": loss + [0] * pad,
+                     "attention_mask": [1] * len(ids) + [0] * pad})
+
+    for row in ds:
+        doc = row["input_ids"] + [eos_id]
+        if ids and len(ids) + len(doc) > max_length:
+            close()
+            ids, loss = [], []
+        ids, loss = ids + doc, loss + row["loss_mask"] + [1]
+    if ids:
+        close()
+    return rows
+
+
 def pack_or_pad(ds: datasets.Dataset, max_length: int, packing: bool, too_long: str, eos_id: int, pad_id: int):
-    """Returns (dataset of fixed-length rows, counts). Packing joins documents with EOS between them."""
+    """Returns (dataset of fixed-length rows, counts). Packing joins whole documents, EOS after each, and
+    starts every row at a document start (see pack_documents)."""
     lengths = ds["input_ids"]
     limit = max_length - 1 if packing else max_length  # room for the separating EOS when packing
     over = sum(len(x) > limit for x in lengths)
@@ -62,16 +87,8 @@ def pack_or_pad(ds: datasets.Dataset, max_length: int, packing: bool, too_long: 
         raise DataError(f"no rows are left after too_long={too_long!r} with max_length={max_length}; raise "
                         "data.max_length or use data.too_long=truncate")
     if packing:
-        ids, loss = [], []
-        for row in ds:
-            ids += row["input_ids"] + [eos_id]
-            loss += row["loss_mask"] + [1]
-        rows = [
-            {"input_ids": ids[s:s + max_length], "loss_mask": loss[s:s + max_length], "attention_mask": [1] * max_length}
-            for s in range(0, len(ids) - max_length + 1, max_length)
-        ]
-        if not rows:
-            raise DataError(f"only {len(ids)} tokens in all: too few to pack one sequence of max_length={max_length}")
+        rows = pack_documents(ds, max_length, eos_id, pad_id)
+        counts["padding"] = sum(max_length - sum(r["attention_mask"]) for r in rows)
     else:
         rows = []
         for row in ds:
@@ -92,8 +109,8 @@ def prepare(raw: datasets.Dataset, tokenizer, cfg, name: str) -> datasets.Datase
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     packed, counts = pack_or_pad(tokens, cfg.max_length, cfg.packing, cfg.too_long, eos, pad)
-    log.info("data %s: rows in %d, rows kept %d (too long %d: %s), tokens %d, %s sequences %d", name, rows_in,
-             rows_in - counts["dropped"], counts["too_long"], cfg.too_long, counts["tokens"],
-             "packed" if cfg.packing else "padded", counts["sequences"])
+    log.info("data %s: rows in %d, rows kept %d (too long %d: %s), tokens %d, %s sequences %d (padding %d)", name,
+             rows_in, rows_in - counts["dropped"], counts["too_long"], cfg.too_long, counts["tokens"],
+             "packed" if cfg.packing else "padded", counts["sequences"], counts.get("padding", 0))
     packed.info.description = str({"rows_in": rows_in, **counts})
     return packed

@@ -23,8 +23,8 @@ TASKS = ("perplexity", "niah", "variable_tracking", "math")
 class PerplexityTask:
     """Streaming perplexity and KL to the full cache over long held-out documents, through the engine."""
 
-    source: str = "essays"  # essays (the haystack's held-out tenth) | files | hf
-    path: Optional[str] = None  # files: a .txt/.jsonl/.json/.parquet/.csv file or folder; hf: a datasets name
+    source: str = "essays"  # essays (the haystack's held-out tenth) | files | hf | run (a training run's held-out rows)
+    path: Optional[str] = None  # files: a .txt/.jsonl/.json/.parquet/.csv file or folder; hf: a datasets name; run: its folder
     split: str = "train"  # the datasets split (hf)
     text_column: str = "text"
     documents: int = 2  # documents scored
@@ -125,9 +125,9 @@ def validate(cfg: EvalConfig) -> None:
     if cfg.batch_size < 1:
         raise RecipeError(f"batch_size={cfg.batch_size} is invalid; it must be >= 1")
     ppl = cfg.perplexity
-    choice(ppl.source, ("essays", "files", "hf"), "perplexity.source")
+    choice(ppl.source, ("essays", "files", "hf", "run"), "perplexity.source")
     if ppl.source != "essays" and not ppl.path:
-        raise RecipeError(f"perplexity.source={ppl.source} needs perplexity.path (a file, folder or datasets name)")
+        raise RecipeError(f"perplexity.source={ppl.source} needs perplexity.path (a file, folder, datasets name or run)")
     if ppl.documents < 1 or ppl.chunk_size < 1:
         raise RecipeError(f"perplexity.documents={ppl.documents} and perplexity.chunk_size={ppl.chunk_size} "
                           "must be >= 1")

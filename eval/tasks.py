@@ -30,7 +30,10 @@ class Example:
 
 # --- held-out documents ------------------------------------------------------------------------------------
 def heldout_documents(cfg, tokenizer) -> list[torch.Tensor]:
-    """`cfg.documents` token sequences of exactly `cfg.tokens` tokens (texts that are shorter are skipped)."""
+    """`cfg.documents` token sequences of exactly `cfg.tokens` tokens (texts that are shorter are skipped);
+    for source `run`, the run's own held-out rows as they are (at most `cfg.tokens` tokens each)."""
+    if cfg.source == "run":
+        return run_heldout_rows(cfg, tokenizer)
     texts = _document_texts(cfg)
     docs = []
     for text in texts:
@@ -41,6 +44,28 @@ def heldout_documents(cfg, tokenizer) -> list[torch.Tensor]:
             return docs
     raise EvalError(f"perplexity.source={cfg.source} gave {len(docs)} text(s) of at least perplexity.tokens="
                     f"{cfg.tokens} tokens, fewer than perplexity.documents={cfg.documents}; lower either")
+
+
+def run_heldout_rows(cfg, tokenizer) -> list[torch.Tensor]:
+    """The held-out split a training run set aside (its data config, prepared as for training): each row's
+    real tokens, one document per row (rows start at a document start)."""
+    from checkpoints import read_meta
+    from data import RetrofitDataModule
+    from eval.quick import resolve_snapshot, run_config
+    from models.backbone import cache_root
+
+    try:
+        run = run_config(read_meta(resolve_snapshot(cfg.path)))
+    except (FileNotFoundError, ValueError) as err:
+        raise EvalError(f"perplexity.path={cfg.path!r} is not a training run or snapshot: {err}") from None
+    data = RetrofitDataModule(run.data, tokenizer, run.seed, cache_root() / "data")
+    data.setup()
+    rows = [torch.tensor(r["input_ids"])[torch.tensor(r["attention_mask"]).bool()] for r in (data.eval_set or [])]
+    docs = [ids[:cfg.tokens] for ids in rows if len(ids) >= cfg.score_from + 2]
+    if len(docs) < cfg.documents:
+        raise EvalError(f"the run {cfg.path} holds {len(docs)} held-out row(s) of at least perplexity.score_from + 2 = "
+                        f"{cfg.score_from + 2} tokens, fewer than perplexity.documents={cfg.documents}; lower either")
+    return docs[:cfg.documents]
 
 
 def _document_texts(cfg) -> list[str]:

@@ -56,10 +56,13 @@ class DMSSettings:
     offset: float = 5.0
     tau: float = 0.1
     per_layer: bool = False
+    sinks: int = 4  # the first tokens of each sequence are never evicted (docs/experiments/2026-11-30-dms-quality.md)
 
     def validate(self, head_dim: int) -> None:
         if self.window < 0:
             raise GateError(f"dms window={self.window} is invalid; it must be an integer >= 0")
+        if self.sinks < 0:
+            raise GateError(f"dms sinks={self.sinks} is invalid; it must be an integer >= 0")
         if self.source not in ("query_neuron", "adapter"):
             raise GateError(f"dms source={self.source!r} is invalid; valid: 'query_neuron', 'adapter'")
         if not -head_dim <= self.neuron_channel < head_dim:
@@ -77,8 +80,11 @@ class TrimKVSettings:
     bias_init: float = 8.0
     decay: str = "additive"  # "additive" | "multiplicative"
     budget: int = 512  # M: the capacity-loss target and the per-head budget of the hard inference mask
+    sinks: int = 0  # the first tokens of each sequence are never evicted; they count inside the budget
 
     def validate(self, head_dim: int) -> None:
+        if not 0 <= self.sinks < self.budget:
+            raise GateError(f"trimkv sinks={self.sinks} is invalid; valid: 0 .. budget - 1 = {self.budget - 1}")
         if self.hidden < 1:
             raise GateError(f"trimkv hidden={self.hidden} is invalid; it must be >= 1")
         if self.decay not in ("additive", "multiplicative"):
@@ -166,6 +172,10 @@ class KVGate(nn.Module):
             self._history = values.detach()
         return values
 
+    def sink_keys(self, valid: torch.Tensor) -> torch.Tensor:
+        """[B, 1, Tk] True for the sequence's first `sinks` real keys, which are never evicted."""
+        return masks.sink_keys(valid, self.settings.sinks)[:, None]
+
     def attention_bias(self, valid: torch.Tensor, q_len: int, k_len: int, dtype: torch.dtype, as_score_mod: bool = False):
         """Additive float bias [B, n, Tq, Tk] with the causal/padding pattern `valid` folded in, or (as_score_mod)
         the same bias as a FlexAttention score_mod computed from per-key vectors."""
@@ -229,6 +239,7 @@ class DMSGate(KVGate):
     def attention_bias(self, valid, q_len, k_len, dtype, as_score_mod=False):
         logit = self._sequence_values(q_len, k_len)  # [B, n, Tk], position-aligned
         distance = masks.query_key_distance(q_len, k_len, logit.device)
+        sink = self.sink_keys(valid)
         w, past, low = self.settings.window, k_len - q_len, masks.masked_value(dtype)
         if self.state.mode is GateMode.TRAIN:
             tau = self.state.tau or self.settings.tau
@@ -237,9 +248,11 @@ class DMSGate(KVGate):
             noisy = (logit + noise) / tau
             soft = torch.sigmoid(noisy)
             hard = (soft > 0.5).to(soft.dtype) - soft.detach() + soft
-            self.outputs = {"evict_hard": _shift(hard, 0.0), "evict_prob": _shift(soft, 0.0),
-                            "logit": _shift(logit, -1e4)}
-            log_keep = _shift(masks.log_keep_from_logit(noisy), 0.0)
+            # sinks are kept whatever their gate says: no eviction, no gradient, counted as kept by the capacity loss
+            self.outputs = {"evict_hard": _shift(hard, 0.0).masked_fill(sink, 0.0),
+                            "evict_prob": _shift(soft, 0.0).masked_fill(sink, 0.0),
+                            "logit": _shift(logit, -1e4), "sink": sink}
+            log_keep = _shift(masks.log_keep_from_logit(noisy), 0.0).masked_fill(sink, 0.0)
             if as_score_mod:
                 group = self._query_group()
 
@@ -250,8 +263,8 @@ class DMSGate(KVGate):
                 return soft_mod
             bias = masks.dms_soft_bias(log_keep, distance, w)
             return bias.to(dtype).masked_fill(~valid, low)
-        evicted = _shift(logit > 0, False)
-        self.outputs = {"evict_hard": evicted.float(), "logit": _shift(logit, -1e4)}
+        evicted = _shift(logit > 0, False) & ~sink
+        self.outputs = {"evict_hard": evicted.float(), "logit": _shift(logit, -1e4), "sink": sink}
         if as_score_mod:
             group = self._query_group()
 
@@ -294,7 +307,8 @@ class TrimKVGate(KVGate):
         return self.settings.decay == "multiplicative" and self.state.mode is GateMode.TRAIN
 
     def attention_bias(self, valid, q_len, k_len, dtype, as_score_mod=False):
-        log_beta = self._sequence_values(q_len, k_len)
+        sink = self.sink_keys(valid)
+        log_beta = self._sequence_values(q_len, k_len).masked_fill(sink, 0.0)  # a sink never decays
         distance = masks.query_key_distance(q_len, k_len, log_beta.device)
         decay = masks.trimkv_bias(log_beta, distance)  # [B, Hkv, Tq, Tk], shared by occupancy and bias
         self.outputs = {"log_beta": log_beta, "occupancy": masks.occupancy_from_decay(decay, valid)}
@@ -311,7 +325,7 @@ class TrimKVGate(KVGate):
 
                 return decay_mod
             return decay.to(dtype).masked_fill(~valid, low)
-        visible = masks.trimkv_topk_visible(log_beta, valid, distance, self.settings.budget)
+        visible = masks.trimkv_topk_visible(log_beta, valid, distance, self.settings.budget, pinned=sink)
         bias = _visible_to_bias(visible, dtype)
         if as_score_mod:
             group = self._query_group()
@@ -439,6 +453,24 @@ def gate_statistics(model: nn.Module, attention_mask: torch.Tensor | None = None
             else:
                 stats.setdefault(name, []).append(value.detach().mean((0, 2)))
     return {name: torch.stack(rows) for name, rows in stats.items()}
+
+
+def uncertain_decision_share(model: nn.Module, attention_mask: torch.Tensor, margin: float = 3.0) -> torch.Tensor:
+    """Share of the last forward's DMS decisions with |logit| < margin, where logistic noise can still flip them.
+
+    A saturated gate (|logit| far above the noise) gets no gradient from either loss; this is the early
+    warning. Counts real keys that have a decision (the next token is real) and are not sinks.
+    """
+    near, total = 0.0, 0.0
+    decided = torch.zeros_like(attention_mask, dtype=torch.bool)
+    decided[:, :-1] = attention_mask[:, :-1].bool() & attention_mask[:, 1:].bool()
+    for out in gate_outputs(model):
+        if "logit" not in out:
+            continue
+        keys = decided[:, None, -out["logit"].shape[-1]:] & ~out["sink"]
+        near = near + ((out["logit"].detach().abs() < margin) & keys).sum()
+        total = total + keys.expand_as(out["logit"]).sum()
+    return torch.as_tensor(near / max(total, 1), dtype=torch.float32)
 
 
 def _statistics_of(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -23,6 +23,23 @@ def query_key_distance(q_len: int, k_len: int, device: torch.device) -> torch.Te
     return t[:, None] - i[None, :]
 
 
+def sink_keys(valid: torch.Tensor, sinks: int) -> torch.Tensor:
+    """[B, Tk] True for the first `sinks` real keys of each sequence (padding skipped).
+
+    A key is real when some query of this forward may read it. When the forward covers every key (no
+    cache), a key's rank is the number of keys its own query reads, so documents packed with restarted
+    positions (a block-diagonal mask) each get their own sinks; with a cache, the newest query reads every
+    earlier real key of the one sequence.
+    """
+    pattern = valid[:, 0]
+    real = pattern.any(-2)
+    if pattern.shape[-2] == pattern.shape[-1]:
+        count = pattern.sum(-1)  # query i reads its real keys up to i: rank of key i + 1
+    else:
+        count = real.cumsum(-1)
+    return real & (count <= sinks)
+
+
 def dms_soft_bias(key_log_keep: torch.Tensor, distance: torch.Tensor, window: int) -> torch.Tensor:
     """Training mask: 0 inside the window, log(1 - alpha_i) outside it (alpha_i = eviction probability of key i).
 
@@ -47,9 +64,14 @@ def occupancy_from_decay(decay: torch.Tensor, valid: torch.Tensor) -> torch.Tens
     return torch.exp(decay.masked_fill(~valid, float("-inf"))).sum(-1)
 
 
-def trimkv_topk_visible(log_beta: torch.Tensor, valid: torch.Tensor, distance: torch.Tensor, budget: int) -> torch.Tensor:
-    """Hard inference mask: at each query, only the `budget` visible keys with the highest retention score."""
-    score = trimkv_bias(log_beta, distance).masked_fill(~valid, float("-inf"))
+def trimkv_topk_visible(log_beta: torch.Tensor, valid: torch.Tensor, distance: torch.Tensor, budget: int,
+                        pinned: torch.Tensor | None = None) -> torch.Tensor:
+    """Hard inference mask: at each query, only the `budget` visible keys with the highest retention score.
+    `pinned` ([B, 1 or Hkv, Tk]) keys (sinks) always stay and count inside the budget."""
+    score = trimkv_bias(log_beta, distance)
+    if pinned is not None:
+        score = score.masked_fill(pinned[:, :, None, :], float("inf"))
+    score = score.masked_fill(~valid, float("-inf"))
     k = min(budget, score.shape[-1])
     top = score.topk(k, dim=-1).indices
     keep = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, top, True)

@@ -59,12 +59,40 @@ def test_packing_joins_documents_with_eos_and_masks_prompts(tokenizer):
     flat = [t for r in packed for t in r["input_ids"]]
     assert flat.count(tokenizer.eos_token_id) >= 1
     counts = eval(packed.info.description)
-    assert counts["rows_in"] == 12 and counts["sequences"] == len(packed) and counts["tokens"] == 48 * len(packed)
+    assert counts["rows_in"] == 12 and counts["sequences"] == len(packed)
+    assert counts["tokens"] + counts["padding"] == 48 * len(packed)
     row = packed[0]
     user = tokenizer.apply_chat_template([{"role": "user", "content": "Question 0?"}], tokenize=False, add_generation_prompt=True)
     n_prompt = len(tokenizer(user, add_special_tokens=False)["input_ids"])
     assert row["loss_mask"][: n_prompt - 1] == [0] * (n_prompt - 1)  # prompt positions do not train ...
     assert row["loss_mask"][n_prompt - 1] == 1  # ... except the last, which predicts the first answer token
+
+
+def test_packing_starts_every_row_at_a_document_start(tokenizer):
+    """Documents of mixed lengths: no row starts mid-document, none is split, padding fills each row's end."""
+    texts = [("word " * n).strip() + f" end{i}" for i, n in enumerate([3, 30, 7, 18, 2, 25, 11, 40, 5, 9])]
+    raw = datasets.Dataset.from_list([{"text": t} for t in texts])
+    packed = prepare(raw, tokenizer, cfg(source="hf", max_length=40, chat_template=False), "train")
+    docs = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    eos = tokenizer.eos_token_id
+    rebuilt = []
+    for row in packed:
+        real = [t for t, m in zip(row["input_ids"], row["attention_mask"]) if m]
+        assert row["attention_mask"] == [1] * len(real) + [0] * (40 - len(real))  # padding only at the end
+        assert all(m == 0 for m, a in zip(row["loss_mask"], row["attention_mask"]) if not a)
+        assert real[-1] == eos
+        pieces, current = [], []
+        for t in real:
+            if t == eos:
+                pieces.append(current)
+                current = []
+            else:
+                current.append(t)
+        assert pieces[0] in [d[:39] for d in docs]  # the row opens with a whole (or truncated) document
+        rebuilt += pieces
+    assert rebuilt == [d[:39] for d in docs]  # every document once, in order, none split across rows
+    counts = eval(packed.info.description)
+    assert counts["truncated"] == 1 and counts["padding"] == sum(r["attention_mask"].count(0) for r in packed)
 
 
 def test_padding_mode_drops_or_truncates_too_long(tokenizer):

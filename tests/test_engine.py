@@ -106,7 +106,9 @@ def test_sampling_and_batches_run_under_eviction():
 def test_a_padded_batch_row_equals_the_row_alone_under_eviction(policy):
     """Padding never takes a slot or shifts a decision: each row evicts exactly as it would alone.
     (chunk_size 1, so chunk boundaries fall on the same tokens with and without padding.)"""
-    model = gated(policy, window=2) if policy == "dms" else gated(policy) if policy == "trimkv" else tiny_model()
+    # learned policies with sinks: a padded row pins its own first real tokens, not the padding
+    model = (gated(policy, window=2, sinks=2) if policy == "dms" else gated(policy, sinks=2) if policy == "trimkv"
+             else tiny_model())
     ids, mask = left_padded_batch(length=24)
     seq, scores = generate(model, ids, mask, BoundedCache(model, policy=policy, budget=6, chunk_size=1))
     for row in range(3):
@@ -131,9 +133,13 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
     group = heads // kv_heads
     gate = module.kv_gate._current[0].expand(kv_heads, -1) if policy in ("dms", "trimkv") else None
     window = module.kv_gate.settings.window if policy == "dms" else None
+    pinned = module.kv_gate.settings.sinks if policy in ("dms", "trimkv") else 0  # the gated model's sinks
 
-    def dms_gone(i, t):  # key i marked by token i+1's decision, and older than the window
-        return i + 1 < length and bool(gate[h, i + 1] > 0) and t - i > window
+    def dms_gone(i, t):  # key i marked by token i+1's decision, and older than the window; sinks never go
+        return i >= pinned and i + 1 < length and bool(gate[h, i + 1] > 0) and t - i > window
+
+    def retention(i, t):  # TRIM-KV's score; a sink ranks above every other key
+        return float("inf") if i < pinned else float(gate[h, i]) * (t - i)
 
     kept = [set() for _ in range(kv_heads)]
     acc = [{} for _ in range(kv_heads)]
@@ -146,7 +152,7 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
                 if policy == "dms":
                     cand = {i for i in cand if not dms_gone(i, t)}
                 if policy == "trimkv":
-                    cand = set(sorted(cand, key=lambda i: float(gate[h, i]) * (t - i))[-budget:])
+                    cand = set(sorted(cand, key=lambda i: retention(i, t))[-budget:])
                 cand = sorted(cand)
                 for g in range(group):
                     head = h * group + g
@@ -174,7 +180,7 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
                 old = sorted((i for i in cand if i <= last - recent), key=lambda i: acc[h].get(i, 0.0))
                 kept[h] = cand - set(old[:max(0, excess)])
             elif policy == "trimkv":
-                kept[h] = set(sorted(cand, key=lambda i: float(gate[h, i]) * (last - i))[-budget:])
+                kept[h] = set(sorted(cand, key=lambda i: retention(i, last))[-budget:])
             elif policy == "dms":
                 kept[h] = {i for i in cand if not dms_gone(i, last + 1)}
     cfg["kept"][module.layer_idx] = kept
@@ -189,9 +195,9 @@ def engine_chunks(prefill: int, chunk: int, length: int) -> list[tuple[int, int]
 
 def make_reference_model(policy, seed):
     if policy == "dms":
-        return gated("dms", seed=seed, window=3).double()
+        return gated("dms", seed=seed, window=3, sinks=2).double()
     if policy == "trimkv":
-        return gated("trimkv", seed=seed).double()
+        return gated("trimkv", seed=seed, sinks=2).double()
     return tiny_model(seed=seed).double()
 
 
@@ -308,7 +314,7 @@ def test_gap_compression_changes_nothing_without_gaps_and_something_with_them():
 
 # --- invariants ------------------------------------------------------------------------------------------
 _MODEL = tiny_model(seed=5)
-_DMS_MODEL = gated("dms", seed=5, window=2)
+_DMS_MODEL = gated("dms", seed=5, window=2, sinks=1)
 
 
 @settings(max_examples=25, deadline=None)
@@ -351,7 +357,8 @@ def test_a_dms_marked_token_stays_readable_for_exactly_window_steps(length, seed
             for h in range(logit.shape[0]):
                 held = set(layer.positions[0, h][layer.positions[0, h] >= 0].tolist())
                 # after token t: key i < t is gone iff marked and the next query (t + 1) is past its window
-                expected = {i for i in range(t + 1) if not (i < t and bool(logit[h, i] > 0) and t + 1 - i > window)}
+                # (key 0 is the sink and stays)
+                expected = {i for i in range(t + 1) if not (0 < i < t and bool(logit[h, i] > 0) and t + 1 - i > window)}
                 assert held == expected
 
 

@@ -317,3 +317,25 @@ def test_improvement_of_a_single_point():
     assert improvement_at((5.0, 1.0), front) == pytest.approx(0.0)  # past B's last point B keeps its best
     assert improvement_at((0.5, 1.0), front) is None
     assert improvement_at((2.0, 20.0), [(1.0, 30.0), (3.0, 10.0)], higher_is_better=False) == pytest.approx(0.0)
+
+
+def test_a_runs_heldout_rows_are_documents_that_start_at_a_document_start(tmp_path, tiny_snapshot, tokenizer):
+    """perplexity.source=run reads the held-out split the run set aside, one row per document."""
+    import shutil
+
+    from eval.config import PerplexityTask
+    from eval.tasks import heldout_documents
+
+    run = tmp_path / "run"
+    shutil.copytree(Path(tiny_snapshot) / "snapshots", run / "snapshots")
+    meta_path = run / "snapshots" / "final" / "retrokv.json"
+    meta = json.loads(meta_path.read_text())
+    meta["config"] = {"data": {"train_samples": 6, "eval_samples": 3, "max_length": 96}}
+    meta_path.write_text(json.dumps(meta))
+    docs = heldout_documents(PerplexityTask(source="run", path=str(run), documents=3, tokens=96, score_from=0), tokenizer)
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert len(docs) == 3 and all(2 <= len(d) <= 96 and int(d[0]) == start for d in docs)
+    with pytest.raises(EvalError, match="fewer than perplexity.documents=9"):
+        heldout_documents(PerplexityTask(source="run", path=str(run), documents=9, tokens=96, score_from=0), tokenizer)
+    with pytest.raises(EvalError, match="not a training run"):
+        heldout_documents(PerplexityTask(source="run", path=str(tmp_path / "nothing"), documents=1), tokenizer)

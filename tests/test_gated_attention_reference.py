@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from models.attention import gated_attention
-from models.gates import DMSGate, DMSSettings, GateMode, GateState, TrimKVGate, TrimKVSettings
+from models.gates import (
+    DMSGate,
+    DMSSettings,
+    GateMode,
+    GateState,
+    TrimKVGate,
+    TrimKVSettings,
+)
 
 F64 = torch.float64  # references and inputs in float64, set per tensor (no global default)
 NEG = float("-inf")
@@ -33,6 +40,13 @@ def random_case(seed):
     config = types.SimpleNamespace(num_key_value_heads=kv_heads, num_attention_heads=heads, head_dim=dim,
                                    hidden_size=heads * dim, rms_norm_eps=1e-6)
     return q, k, v, real, window, config, g
+
+
+def sink_of(real, sinks):
+    """is_sink(b, i): key i is among row b's first `sinks` real tokens (written as a loop, not with cumsum)."""
+    def is_sink(b, i):
+        return bool(real[b, i]) and sum(bool(real[b, j]) for j in range(i + 1)) <= sinks
+    return is_sink
 
 
 def causal_padding_mask(real):
@@ -81,13 +95,17 @@ SEEDS = range(6)
 def test_dms_soft_mask_matches_reference(seed):
     q, k, v, real, window, config, g = random_case(seed)
     state = GateState(mode=GateMode.TRAIN, noise_seed=seed)
-    gate = DMSGate(config, 0, state, DMSSettings(window=window, source="adapter", tau=1.0))
+    sinks = seed % 4
+    gate = DMSGate(config, 0, state, DMSSettings(window=window, source="adapter", tau=1.0, sinks=sinks))
     gate._current = torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g, dtype=F64) * 2
     out = run_gate(gate, q, k, v, real)
     prob = gate.outputs["evict_prob"]  # the noisy eviction probability, already shifted onto keys
     length = q.shape[2]
+    is_sink = sink_of(real, sinks)
 
     def bias(b, hk, t, i):
+        if is_sink(b, i):
+            return 0.0
         return math.log1p(-float(prob[b, hk, i])) if t - i > window and i + 1 < length else 0.0
 
     assert_close_on_real_queries(out, reference_attention(q, k, v, real, bias), real)
@@ -98,14 +116,16 @@ def test_dms_soft_mask_matches_reference(seed):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_dms_hard_mask_matches_reference(seed):
     q, k, v, real, window, config, g = random_case(seed)
-    gate = DMSGate(config, 0, GateState(mode=GateMode.INFER), DMSSettings(window=window, source="adapter"))
+    sinks = seed % 4
+    gate = DMSGate(config, 0, GateState(mode=GateMode.INFER), DMSSettings(window=window, source="adapter", sinks=sinks))
     logits = torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g, dtype=F64)
     gate._current = logits
     out = run_gate(gate, q, k, v, real)
     length = q.shape[2]
+    is_sink = sink_of(real, sinks)
 
     def bias(b, hk, t, i):
-        evicted = i + 1 < length and float(logits[b, hk, i + 1]) > 0
+        evicted = i + 1 < length and float(logits[b, hk, i + 1]) > 0 and not is_sink(b, i)
         return NEG if evicted and t - i > window else 0.0
 
     assert_close_on_real_queries(out, reference_attention(q, k, v, real, bias), real)
@@ -114,10 +134,17 @@ def test_dms_hard_mask_matches_reference(seed):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_trimkv_additive_decay_and_occupancy_match_reference(seed):
     q, k, v, real, _, config, g = random_case(seed)
-    gate = TrimKVGate(config, 0, GateState(mode=GateMode.TRAIN), TrimKVSettings(hidden=4))
-    log_beta = torch.nn.functional.logsigmoid(torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g, dtype=F64) + 2)
-    gate._current = log_beta
+    sinks = seed % 4
+    gate = TrimKVGate(config, 0, GateState(mode=GateMode.TRAIN), TrimKVSettings(hidden=4, sinks=sinks))
+    raw = torch.nn.functional.logsigmoid(torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g, dtype=F64) + 2)
+    gate._current = raw
     out = run_gate(gate, q, k, v, real)
+    is_sink = sink_of(real, sinks)
+    log_beta = raw.clone()
+    for b in range(q.shape[0]):
+        for i in range(q.shape[2]):
+            if is_sink(b, i):
+                log_beta[b, :, i] = 0.0  # a sink never decays
     assert_close_on_real_queries(out, reference_attention(q, k, v, real, lambda b, hk, t, i: (t - i) * float(log_beta[b, hk, i])), real)
     occupancy = gate.outputs["occupancy"]
     for b in range(q.shape[0]):
@@ -131,10 +158,14 @@ def test_trimkv_additive_decay_and_occupancy_match_reference(seed):
 @pytest.mark.parametrize("seed", SEEDS[:3])
 def test_trimkv_multiplicative_decay_matches_reference(seed):
     q, k, v, real, _, config, g = random_case(seed)
-    gate = TrimKVGate(config, 0, GateState(mode=GateMode.TRAIN), TrimKVSettings(hidden=4, decay="multiplicative"))
-    log_beta = torch.nn.functional.logsigmoid(torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g, dtype=F64) + 2)
-    gate._current = log_beta
+    sinks = seed % 4
+    gate = TrimKVGate(config, 0, GateState(mode=GateMode.TRAIN), TrimKVSettings(hidden=4, decay="multiplicative", sinks=sinks))
+    raw = torch.nn.functional.logsigmoid(torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g, dtype=F64) + 2)
+    gate._current = raw
     out = run_gate(gate, q, k, v, real)
+    is_sink = sink_of(real, sinks)
+    log_beta = torch.stack([torch.stack([raw[b, :, i] * (not is_sink(b, i)) for i in range(q.shape[2])], -1)
+                            for b in range(q.shape[0])])
     ref = reference_attention(q, k, v, real, lambda b, hk, t, i: 0.0,
                               scores_of=lambda b, hk, t, i, s: s * math.exp(float(log_beta[b, hk, i]) * (t - i)))
     assert_close_on_real_queries(out, ref, real)
@@ -144,17 +175,20 @@ def test_trimkv_multiplicative_decay_matches_reference(seed):
 def test_trimkv_hard_topk_matches_reference(seed):
     q, k, v, real, _, config, g = random_case(seed)
     budget = max(1, q.shape[2] // 3)
-    gate = TrimKVGate(config, 0, GateState(mode=GateMode.INFER), TrimKVSettings(hidden=4, budget=budget))
+    sinks = min(seed % 4, budget - 1)
+    gate = TrimKVGate(config, 0, GateState(mode=GateMode.INFER), TrimKVSettings(hidden=4, budget=budget, sinks=sinks))
     log_beta = torch.nn.functional.logsigmoid(torch.randn(q.shape[0], config.num_key_value_heads, q.shape[2], generator=g, dtype=F64))
     gate._current = log_beta
     out = run_gate(gate, q, k, v, real)
+    is_sink = sink_of(real, sinks)
     kept = {}
     for b in range(q.shape[0]):
         for hk in range(config.num_key_value_heads):
             for t in range(q.shape[2]):
                 candidates = [i for i in range(t + 1) if real[b, i]]
-                ranked = sorted(candidates, key=lambda i: -(t - i) * float(log_beta[b, hk, i]))
-                kept[b, hk, t] = set(ranked[:budget])
+                pinned = [i for i in candidates if is_sink(b, i)]
+                ranked = sorted((i for i in candidates if i not in pinned), key=lambda i: -(t - i) * float(log_beta[b, hk, i]))
+                kept[b, hk, t] = set(pinned + ranked[:budget - len(pinned)])
     ref = reference_attention(q, k, v, real, lambda b, hk, t, i: 0.0 if i in kept[b, hk, t] else NEG)
     assert_close_on_real_queries(out, ref, real)
 

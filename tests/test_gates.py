@@ -5,7 +5,14 @@ import torch
 from transformers import BertConfig, BertForMaskedLM
 
 import models
-from models import GateError, attach_gates, configure_backbone, gate_mode, gate_outputs, set_gate_mode
+from models import (
+    GateError,
+    attach_gates,
+    configure_backbone,
+    gate_mode,
+    gate_outputs,
+    set_gate_mode,
+)
 from tests.conftest import tiny_model
 
 
@@ -125,12 +132,43 @@ def test_all_evicted_is_sliding_window_and_none_evicted_is_full_attention(window
         windowed = reference(ids, attention_mask=mask).logits
         causal = full(ids, attention_mask=mask).logits
         for offset, expected in ((-1e4, windowed), (1e4, causal)):  # a fresh adapter gives logit = -offset
-            gated = attach_gates(tiny_model("mistral"), "dms", window=window, source="adapter", offset=offset)
+            gated = attach_gates(tiny_model("mistral"), "dms", window=window, source="adapter", offset=offset, sinks=0)
             for mode in ("infer", "train"):  # hard decisions, and soft ones saturated by the forced logit
                 with gate_mode(gated, mode):
                     got = gated(ids, attention_mask=mask).logits
                 torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(windowed, causal, atol=1e-3)
+
+
+@pytest.mark.parametrize("offset,expected", [(2.0, 1.0), (5.0, 0.0)])
+def test_uncertain_share_counts_decisions_within_the_noise_margin(offset, expected):
+    """A fresh adapter gives every decision logit -offset: all within |logit| < 3, or none."""
+    model = attach_gates(tiny_model("llama"), "dms", window=2, source="adapter", offset=offset, sinks=2)
+    ids, mask = batch_with_left_padding(length=12)
+    with torch.no_grad(), gate_mode(model, "train"):
+        model(ids, attention_mask=mask)
+        assert float(models.uncertain_decision_share(model, mask)) == expected
+
+
+def test_sinks_stay_visible_when_every_other_key_is_evicted():
+    """Everything evicted + k sinks = a sliding window that also reads the first k real tokens of each row."""
+    ids, mask = batch_with_left_padding(length=30)
+    window, sinks = 3, 2
+    gated = attach_gates(tiny_model("llama"), "dms", window=window, source="adapter", offset=-1e4, sinks=sinks)
+    plain = tiny_model("llama")
+    length = ids.shape[1]
+    first_real = (mask == 0).sum(-1)
+    t, i = torch.arange(length)[:, None], torch.arange(length)[None]
+    allowed = torch.zeros(2, length, length, dtype=torch.bool)
+    for b in range(2):
+        is_sink = (i >= first_real[b]) & (i < first_real[b] + sinks)
+        allowed[b] = (i <= t) & ((t - i <= window) | is_sink) & (i >= first_real[b])
+    bias = torch.zeros(2, 1, length, length).masked_fill(~allowed[:, None], torch.finfo(torch.float32).min)
+    with torch.no_grad(), gate_mode(gated, "infer"):
+        got = gated(ids, attention_mask=mask).logits
+        expected = plain(ids, attention_mask=bias).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["dms", "trimkv"])
@@ -186,8 +224,8 @@ def test_gate_statistics_shapes_and_padding():
     assert frac.shape == (2, 1) and torch.all((frac >= 0) & (frac <= 1))
 
 
-@pytest.mark.parametrize("kind,settings", [("dms", {"window": 2, "alpha_scale": 3.0, "offset": 0.0}),
-                                           ("trimkv", {"hidden": 8, "budget": 4, "bias_init": 0.0})])
+@pytest.mark.parametrize("kind,settings", [("dms", {"window": 2, "alpha_scale": 3.0, "offset": 0.0, "sinks": 2}),
+                                           ("trimkv", {"hidden": 8, "budget": 4, "bias_init": 0.0, "sinks": 1})])
 def test_packed_sequences_attend_only_within_their_document(kind, settings):
     """Two documents packed in one row (positions restart) give the logits of running each alone."""
     model = attach_gates(tiny_model("qwen2"), kind, **settings)

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from train.config import ScheduleConfig
-from train.losses import chunked_distillation, dms_capacity_loss, token_kl, trimkv_capacity_loss
+from train.losses import (
+    chunked_distillation,
+    dms_capacity_loss,
+    dms_head_cap_loss,
+    token_kl,
+    trimkv_capacity_loss,
+)
 from train.schedule import schedule_at
 
 
@@ -79,3 +85,13 @@ def test_cr_schedule_is_linear_in_cr_after_the_neuron_warmup():
     assert schedule_at(5000, cfg, 0.1).cr == pytest.approx(8.0)
     assert schedule_at(750, cfg, 0.1).tau == pytest.approx(0.05)
     assert schedule_at(150, cfg, 0.1).eviction_target == pytest.approx(0.5)
+
+
+def test_head_cap_penalises_only_heads_above_the_cap():
+    mask = torch.ones(1, 9, dtype=torch.long)  # 8 keys carry a decision (the last has none yet)
+    everything = torch.ones(1, 2, 9)
+    half = torch.zeros(1, 2, 9)
+    half[..., :4] = 1
+    loss = dms_head_cap_loss([everything, half], mask, cap=0.9)  # 2 layers x 2 heads: 1.0, 1.0, 0.5, 0.5
+    assert float(loss) == pytest.approx((0.1 + 0.1 + 0 + 0) / 4)
+    assert float(dms_head_cap_loss([half], mask, cap=0.9)) == 0.0

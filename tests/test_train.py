@@ -63,8 +63,13 @@ def test_default_recipe_trains_and_writes_the_cr_family(tiny_backbone, tmp_path)
     assert meta["cr"] == 3.0 and meta["gate_kind"] == "dms" and meta["step"] == 5
     cr = scalars(out, "train/cr")
     assert cr[0] == pytest.approx(1.0) and cr[6] == pytest.approx(4.0)
-    assert {"train/kl", "train/capacity", "train/evict", "layers/evict_fraction_00", "val/kl"} <= set(
-        EventAccumulator(glob.glob(f"{out}/tensorboard/events*")[0]).Reload().Tags()["scalars"])
+    assert {"train/kl", "train/capacity", "train/evict", "layers/evict_fraction_00", "val/kl", "train/uncertain",
+            "train/saturated_heads"} <= set(EventAccumulator(glob.glob(f"{out}/tensorboard/events*")[0]).Reload().Tags()["scalars"])
+    assert all(0 <= v <= 1 for v in scalars(out, "train/uncertain").values())
+    assert all(v in (0, 1, 2, 3, 4) for v in scalars(out, "train/saturated_heads").values())  # 2 layers x 2 KV heads
+    table = json.loads((out / "summary.json").read_text())["gates_last_step"]["evict_fraction"]
+    assert len(table) == 2 and all(len(row) == 2 and all(0 <= v <= 1 for v in row) for row in table)
+    assert summary["train/saturated_heads"] == sum(v > 0.98 for row in table for v in row)
     # the quick evaluation reads the final snapshot back and reports on the held-out split
     from eval.quick import quick_eval
 

@@ -94,6 +94,8 @@ class LossConfig:
     kl_weight: float = 1.0
     ntp_weight: float = 0.0
     capacity_weight: float = 1.0
+    head_cap: float = 1.0  # DMS: most keys one (layer, KV head) may evict before head_cap_weight penalises it (1: off)
+    head_cap_weight: float = 0.0
     chunk_tokens: int = 1024  # logits rows per chunk of the distillation loss
 
 
@@ -242,6 +244,9 @@ def validate(config: RunConfig) -> None:
     for key in ("batch_size",):
         if getattr(config.data, key) < 1:
             raise RecipeError(f"data.{key}={getattr(config.data, key)} is invalid; it must be >= 1")
+    if not 0 < config.loss.head_cap <= 1 or config.loss.head_cap_weight < 0:
+        raise RecipeError(f"loss.head_cap={config.loss.head_cap} must be within (0, 1] and loss.head_cap_weight="
+                          f"{config.loss.head_cap_weight} >= 0")
     if config.optim.lr <= 0:
         raise RecipeError(f"optim.lr={config.optim.lr} is invalid; it must be > 0")
     if len(config.optim.betas) != 2 or not all(0 <= b < 1 for b in config.optim.betas):
@@ -254,6 +259,8 @@ def validate(config: RunConfig) -> None:
             raise RecipeError(f"gate.dms.window={dms.window} leaves nothing to evict in sequences of "
                               f"data.max_length={config.data.max_length}; valid: window <= {config.data.max_length - 2}")
         choice(dms.source, ("query_neuron", "adapter"), "gate.dms.source")
+        if dms.sinks < 0:
+            raise RecipeError(f"gate.dms.sinks={dms.sinks} is invalid; it must be >= 0")
         if dms.tau <= 0:
             raise RecipeError(f"gate.dms.tau={dms.tau} is invalid; it must be > 0")
     else:
@@ -261,6 +268,8 @@ def validate(config: RunConfig) -> None:
         choice(trim.decay, ("additive", "multiplicative"), "gate.trimkv.decay")
         if trim.budget < 1:
             raise RecipeError(f"gate.trimkv.budget={trim.budget} is invalid; the memory budget M must be >= 1")
+        if not 0 <= trim.sinks < trim.budget:
+            raise RecipeError(f"gate.trimkv.sinks={trim.sinks} is invalid; valid: 0 .. gate.trimkv.budget - 1 = {trim.budget - 1}")
         if trim.hidden < 1:
             raise RecipeError(f"gate.trimkv.hidden={trim.hidden} is invalid; it must be >= 1")
 

@@ -78,6 +78,17 @@ def dms_capacity_loss(evict_hard: list[torch.Tensor], attention_mask: torch.Tens
     return torch.relu(target - per_sequence).mean(), per_sequence.detach().mean()
 
 
+def dms_head_cap_loss(evict_hard: list[torch.Tensor], attention_mask: torch.Tensor, cap: float) -> torch.Tensor:
+    """Per-(layer, KV head) guard: mean over gates of relu(eviction fraction - cap).
+
+    The capacity loss constrains only the average, so single heads may drift to evicting everything (a
+    bare window), where their decisions saturate and no loss pulls them back; this term does.
+    """
+    valid = dms_valid_keys(attention_mask)[:, None, :].to(evict_hard[0].dtype)  # [B, 1, T]
+    per_head = torch.stack([(e * valid).sum((0, 2)) / valid.sum((0, 2)).clamp(min=1) for e in evict_hard])
+    return torch.relu(per_head - cap).mean()
+
+
 def trimkv_capacity_loss(occupancy: list[torch.Tensor], attention_mask: torch.Tensor, budget: float) -> torch.Tensor:
     """mean_t relu(occupancy_t - M) / (t + 1), per layer and head, over real query positions."""
     occ = torch.stack(occupancy, dim=1)  # [B, L, Hkv, T]

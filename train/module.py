@@ -13,8 +13,15 @@ import models
 from models.gates import GateMode
 from models.trainable import configure_backbone, trainable_parameters
 from train.config import RunConfig
-from train.losses import chunked_distillation, dms_capacity_loss, trimkv_capacity_loss
+from train.losses import (
+    chunked_distillation,
+    dms_capacity_loss,
+    dms_head_cap_loss,
+    trimkv_capacity_loss,
+)
 from train.schedule import schedule_at
+
+SATURATED_EVICTION = 0.98  # a (layer, KV head) evicting more than this share of keys has collapsed
 
 
 def build_gated_model(cfg: RunConfig, tokenizer_too: bool = True):
@@ -49,6 +56,7 @@ class RetrofitModule(L.LightningModule):
         self._base_tau = self.cfg.gate.dms.tau if cfg.gate.kind == "dms" else None
         self._tokens_seen = 0
         self._clock = None
+        self.last_gate_table: dict[str, list] = {}  # per (layer, KV head) statistics of the last step, for summary.json
 
     # ---- forward passes -------------------------------------------------------------------------
     def _hidden(self, model, batch):
@@ -88,13 +96,20 @@ class RetrofitModule(L.LightningModule):
         if cfg.gate.kind == "dms":
             capacity, achieved = dms_capacity_loss([o["evict_hard"] for o in outputs], batch["attention_mask"],
                                                    sched.eviction_target)
-            out.update(capacity=capacity, evict_fraction=achieved, evict_target=torch.tensor(sched.eviction_target))
+            if cfg.loss.head_cap_weight:
+                out["head_cap"] = dms_head_cap_loss([o["evict_hard"] for o in outputs], batch["attention_mask"],
+                                                    cfg.loss.head_cap)
+            out.update(capacity=capacity, evict_fraction=achieved, evict_target=torch.tensor(sched.eviction_target),
+                       uncertain=models.uncertain_decision_share(self.model, batch["attention_mask"]),
+                       saturated_heads=(per_layer["evict_fraction"] > SATURATED_EVICTION).sum().float())
         else:
             capacity = trimkv_capacity_loss([o["occupancy"] for o in outputs], batch["attention_mask"],
                                             cfg.gate.trimkv.budget)
             occ = torch.stack([o["occupancy"].detach().float().mean() for o in outputs]).mean()
             out.update(capacity=capacity, occupancy=occ)
         out["loss"] = cfg.loss.kl_weight * kl + cfg.loss.ntp_weight * nll + cfg.loss.capacity_weight * capacity
+        if "head_cap" in out:
+            out["loss"] = out["loss"] + cfg.loss.head_cap_weight * out["head_cap"]
         out["per_layer"] = per_layer
         return out
 
@@ -113,7 +128,7 @@ class RetrofitModule(L.LightningModule):
         self.log_dict({f"train/{k}": v for k, v in bar.items()}, prog_bar=True, on_step=True,
                       batch_size=batch["input_ids"].shape[0], sync_dist=self.trainer_world_size > 1)
         extra = {"train/capacity": out["capacity"], "train/nll": out["nll"], "train/tokens_per_s": self._tokens_seen / elapsed}
-        for key in ("evict_target", "occupancy"):
+        for key in ("evict_target", "occupancy", "uncertain", "saturated_heads", "head_cap"):
             if key in out:
                 extra[f"train/{key}"] = out[key]
         for name, table in out["per_layer"].items():
@@ -121,6 +136,7 @@ class RetrofitModule(L.LightningModule):
                 extra[f"layers/{name}_{layer:02d}"] = value
         self.log_dict(extra, on_step=True, batch_size=batch["input_ids"].shape[0])
         self._log_histograms(out["per_layer"])
+        self.last_gate_table = {name: table.tolist() for name, table in out["per_layer"].items()}
         return out["loss"]
 
     def _log_histograms(self, per_layer):

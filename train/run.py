@@ -139,7 +139,8 @@ def train(cfg: RunConfig) -> dict:
     )
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    summary = {"recipe": cfg.recipe, "steps": trainer.global_step, "output_dir": str(out), **metrics}
+    summary = {"recipe": cfg.recipe, "steps": trainer.global_step, "output_dir": str(out), **metrics,
+               "gates_last_step": module.last_gate_table}
     if trainer.is_global_zero:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -155,8 +155,9 @@ class BoundedLayer(CacheLayerMixin):
         cand_ok = cand_pos >= 0
         state = {name: torch.cat([t[..., :slots], torch.full((batch, kv_heads, c), self.policy.state[name][1], dtype=t.dtype,
                                                 device=t.device)], -1) for name, t in self.state.items()}
+        rank = self.row_tokens[:, None] + real.long().cumsum(-1) - 1
         chunk = Chunk(query=query.view(batch, kv_heads, group, c, dim), positions=positions, real=real, gate=gate,
-                      cand_pos=cand_pos, cand_ok=cand_ok, state=state, num_slots=slots)
+                      cand_pos=cand_pos, cand_ok=cand_ok, state=state, num_slots=slots, rank=rank)
         if gate is not None:
             self.policy.candidate_state(chunk)
 

@@ -37,6 +37,7 @@ class Chunk:
     cand_ok: torch.Tensor  # [B, Hkv, N] holds a real token
     state: dict[str, torch.Tensor]  # per-candidate policy state, [B, Hkv, N]
     num_slots: int
+    rank: torch.Tensor  # [B, c] index of each chunk token among its sequence's real tokens (padding excluded)
 
     @property
     def size(self) -> int:
@@ -46,6 +47,11 @@ class Chunk:
     def query_pos(self) -> torch.Tensor:
         """[B, 1, c, 1] positions of the queries, for broadcasting against candidates."""
         return self.positions[:, None, :, None]
+
+    def mark_sinks(self, count: int) -> None:
+        """Flag the chunk's tokens that are among their sequence's first `count` real tokens in state["sink"]."""
+        first = (self.rank < count) & self.real  # [B, c]
+        self.state["sink"][..., self.num_slots:] = first[:, None].expand(-1, self.cand_pos.shape[1], -1)
 
     @property
     def now(self) -> torch.Tensor:
@@ -180,16 +186,21 @@ class DMS(Policy):
 
     Slots = budget + window. The budget is the memory cap the run reports against, not a rule: if the model
     keeps more tokens than fit, the engine evicts the most eviction-prone ones outside the window and counts
-    them in `stats().forced_evictions`.
+    them in `stats().forced_evictions`. The model's `sinks` first tokens are never evicted.
     """
 
     name = "dms"
     gate_kind = "dms"
-    state: ClassVar = {"evict": (torch.bool, False), "decided": (torch.bool, False), "logit": (torch.float32, 0.0)}
+    state: ClassVar = {"evict": (torch.bool, False), "decided": (torch.bool, False), "logit": (torch.float32, 0.0),
+                       "sink": (torch.bool, False)}
 
     def bind(self, model, budget):
         super().bind(model, budget)
-        self.window = int(_gate_settings(model, "dms")["window"])
+        settings = _gate_settings(model, "dms")
+        self.window, self.sink_count = int(settings["window"]), int(settings.get("sinks", 0))
+        if self.sink_count >= budget:
+            raise EngineError(f"dms budget={budget} does not exceed the model's {self.sink_count} sinks; "
+                              f"valid: budget >= {self.sink_count + 1}")
 
     def capacity(self):
         return self.budget + self.window
@@ -212,6 +223,8 @@ class DMS(Policy):
         st["evict"][..., s:] = decided & (shifted > 0)
         st["logit"][..., s:] = torch.where(decided, shifted, torch.zeros_like(shifted))
         st["decided"][..., s:] = decided
+        chunk.mark_sinks(self.sink_count)
+        st["evict"] &= ~st["sink"]
 
     def visibility(self, chunk):
         gone = chunk.state["evict"][:, :, None, :] & (chunk.query_pos - chunk.cand_pos[:, :, None, :] > self.window)
@@ -221,7 +234,7 @@ class DMS(Policy):
         age_next = chunk.now + 1 - chunk.cand_pos
         expired = chunk.state["evict"] & (age_next > self.window)
         in_window = age_next <= self.window
-        score = torch.where(in_window, POS, -chunk.state["logit"])
+        score = torch.where(in_window | chunk.state["sink"], POS, -chunk.state["logit"])
         return torch.where(expired, NEG, score)
 
 
@@ -235,14 +248,17 @@ class TrimKV(Policy):
 
     name = "trimkv"
     gate_kind = "trimkv"
-    state: ClassVar = {"log_beta": (torch.float32, 0.0)}
+    state: ClassVar = {"log_beta": (torch.float32, 0.0), "sink": (torch.bool, False)}
 
     def __init__(self, burst: int = 0):
         self.burst = burst
 
     def bind(self, model, budget):
         super().bind(model, budget)
-        _gate_settings(model, "trimkv")
+        self.sink_count = int(_gate_settings(model, "trimkv").get("sinks", 0))
+        if self.sink_count >= budget:
+            raise EngineError(f"trimkv budget={budget} does not exceed the model's {self.sink_count} sinks; "
+                              f"valid: budget >= {self.sink_count + 1}")
         if self.burst < 0:
             raise EngineError(f"trimkv burst={self.burst} is invalid; it must be >= 0")
 
@@ -251,10 +267,12 @@ class TrimKV(Policy):
 
     def candidate_state(self, chunk):
         chunk.state["log_beta"][..., chunk.num_slots:] = chunk.gate
+        chunk.mark_sinks(self.sink_count)
 
     def _score(self, chunk, at: torch.Tensor) -> torch.Tensor:
         age = (at - chunk.cand_pos[:, :, None, :]).clamp(min=0).float()
-        return chunk.state["log_beta"][:, :, None, :] * age
+        score = chunk.state["log_beta"][:, :, None, :] * age
+        return score.masked_fill(chunk.state["sink"][:, :, None, :], POS)
 
     def visibility(self, chunk):
         if self.burst:
