@@ -43,10 +43,15 @@ def random_case(seed):
 
 
 def sink_of(real, sinks):
-    """is_sink(b, i): key i is among row b's first `sinks` real tokens (written as a loop, not with cumsum)."""
-    def is_sink(b, i):
-        return bool(real[b, i]) and sum(bool(real[b, j]) for j in range(i + 1)) <= sinks
-    return is_sink
+    """is_sink(b, i): key i is among row b's first `sinks` real tokens (counted in a loop, not with cumsum)."""
+    pinned = set()
+    for b in range(real.shape[0]):
+        count = 0
+        for i in range(real.shape[1]):
+            count += bool(real[b, i])
+            if real[b, i] and count <= sinks:
+                pinned.add((b, i))
+    return lambda b, i: (b, i) in pinned
 
 
 def causal_padding_mask(real):
