@@ -55,21 +55,21 @@ def pack_documents(ds: datasets.Dataset, max_length: int, eos_id: int, pad_id: i
     padding (attention and loss masked). Documents are already at most max_length - 1 tokens.
     """
     rows, ids, loss = [], [], []
-
-    def close():
-        pad = max_length - len(ids)
-        rows.append({"input_ids": ids + [pad_id] * pad, "loss_mask": loss + [0] * pad,
-                     "attention_mask": [1] * len(ids) + [0] * pad})
-
     for row in ds:
         doc = row["input_ids"] + [eos_id]
         if ids and len(ids) + len(doc) > max_length:
-            close()
+            rows.append(padded_row(ids, loss, max_length, pad_id))
             ids, loss = [], []
         ids, loss = ids + doc, loss + row["loss_mask"] + [1]
     if ids:
-        close()
+        rows.append(padded_row(ids, loss, max_length, pad_id))
     return rows
+
+
+def padded_row(ids: list[int], loss: list[int], max_length: int, pad_id: int) -> dict:
+    """Real tokens then padding up to max_length; padding is out of attention and the loss."""
+    pad = max_length - len(ids)
+    return {"input_ids": ids + [pad_id] * pad, "loss_mask": loss + [0] * pad, "attention_mask": [1] * len(ids) + [0] * pad}
 
 
 def pack_or_pad(ds: datasets.Dataset, max_length: int, packing: bool, too_long: str, eos_id: int, pad_id: int):
@@ -90,11 +90,7 @@ def pack_or_pad(ds: datasets.Dataset, max_length: int, packing: bool, too_long: 
         rows = pack_documents(ds, max_length, eos_id, pad_id)
         counts["padding"] = sum(max_length - sum(r["attention_mask"]) for r in rows)
     else:
-        rows = []
-        for row in ds:
-            n, pad = len(row["input_ids"]), max_length - len(row["input_ids"])
-            rows.append({"input_ids": row["input_ids"] + [pad_id] * pad, "loss_mask": row["loss_mask"] + [0] * pad,
-                         "attention_mask": [1] * n + [0] * pad})
+        rows = [padded_row(row["input_ids"], row["loss_mask"], max_length, pad_id) for row in ds]
     counts["tokens"] = sum(sum(r["attention_mask"]) for r in rows)
     counts["sequences"] = len(rows)
     return datasets.Dataset.from_list(rows), counts

@@ -462,8 +462,7 @@ def uncertain_decision_share(model: nn.Module, attention_mask: torch.Tensor, mar
     warning. Counts real keys that have a decision (the next token is real) and are not sinks.
     """
     near, total = 0.0, 0.0
-    decided = torch.zeros_like(attention_mask, dtype=torch.bool)
-    decided[:, :-1] = attention_mask[:, :-1].bool() & attention_mask[:, 1:].bool()
+    decided = masks.decided_keys(attention_mask)
     for out in gate_outputs(model):
         if "logit" not in out:
             continue

@@ -23,6 +23,13 @@ def query_key_distance(q_len: int, k_len: int, device: torch.device) -> torch.Te
     return t[:, None] - i[None, :]
 
 
+def decided_keys(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] keys that carry a real DMS decision: the key and the next token (which decides for it) are real."""
+    decided = torch.zeros_like(attention_mask, dtype=torch.bool)
+    decided[:, :-1] = attention_mask[:, :-1].bool() & attention_mask[:, 1:].bool()
+    return decided
+
+
 def sink_keys(valid: torch.Tensor, sinks: int) -> torch.Tensor:
     """[B, Tk] True for the first `sinks` real keys of each sequence (padding skipped).
 

@@ -373,6 +373,9 @@ def test_bad_settings_get_clear_errors():
         BoundedCache(model, policy=Sink(sinks=8), budget=8)
     with pytest.raises(EngineError, match="dms policy needs a model with dms gates.*no gates"):
         BoundedCache(model, policy="dms")
+    for kind in ("dms", "trimkv"):
+        with pytest.raises(EngineError, match=f"{kind} budget=3 does not exceed the model's 3 sinks; valid: budget >= 4"):
+            BoundedCache(gated(kind, sinks=3), policy=kind, budget=3)
     with pytest.raises(EngineError, match="full policy must keep more tokens than its 4 slots"):
         model(torch.randint(0, 97, (1, 9)), cache=BoundedCache(model, policy="full", budget=4))
     cache = BoundedCache(model, policy="tova", budget=4)

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from models.masks import decided_keys
+
 
 def token_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, direction: str, temperature: float) -> torch.Tensor:
     """Per-token KL between softened distributions, times temperature**2 (Hinton). [N, V] -> [N]."""
@@ -59,19 +61,12 @@ def chunked_distillation(head: torch.nn.Module, student_hidden: torch.Tensor, te
     return total[0] / n_kl, total[1] / n_nll
 
 
-def dms_valid_keys(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Keys that carry a real decision: the key and the next token (which decides for it) are both real."""
-    valid = torch.zeros_like(attention_mask, dtype=torch.bool)
-    valid[:, :-1] = attention_mask[:, :-1].bool() & attention_mask[:, 1:].bool()
-    return valid
-
-
 def dms_capacity_loss(evict_hard: list[torch.Tensor], attention_mask: torch.Tensor, target: float):
     """One-sided L1: relu(target - eviction fraction) per sequence, averaged; over-compression is free.
 
     evict_hard: per layer [B, n, T] (straight-through). Returns (loss, achieved fraction without gradient).
     """
-    valid = dms_valid_keys(attention_mask)[:, None, None, :]  # [B, 1, 1, T]
+    valid = decided_keys(attention_mask)[:, None, None, :]  # [B, 1, 1, T]
     decisions = torch.stack(evict_hard, dim=1)  # [B, L, n, T]
     count = (valid.sum((-1,)) * decisions.shape[1] * decisions.shape[2]).squeeze(-1).squeeze(-1).clamp(min=1)
     per_sequence = (decisions * valid).sum((1, 2, 3)) / count
@@ -84,7 +79,7 @@ def dms_head_cap_loss(evict_hard: list[torch.Tensor], attention_mask: torch.Tens
     The capacity loss constrains only the average, so single heads may drift to evicting everything (a
     bare window), where their decisions saturate and no loss pulls them back; this term does.
     """
-    valid = dms_valid_keys(attention_mask)[:, None, :].to(evict_hard[0].dtype)  # [B, 1, T]
+    valid = decided_keys(attention_mask)[:, None, :].to(evict_hard[0].dtype)  # [B, 1, T]
     per_head = torch.stack([(e * valid).sum((0, 2)) / valid.sum((0, 2)).clamp(min=1) for e in evict_hard])
     return torch.relu(per_head - cap).mean()
 

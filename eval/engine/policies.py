@@ -197,10 +197,7 @@ class DMS(Policy):
     def bind(self, model, budget):
         super().bind(model, budget)
         settings = _gate_settings(model, "dms")
-        self.window, self.sink_count = int(settings["window"]), int(settings.get("sinks", 0))
-        if self.sink_count >= budget:
-            raise EngineError(f"dms budget={budget} does not exceed the model's {self.sink_count} sinks; "
-                              f"valid: budget >= {self.sink_count + 1}")
+        self.window, self.sink_count = int(settings["window"]), _sinks_within(settings, budget)
 
     def capacity(self):
         return self.budget + self.window
@@ -255,10 +252,7 @@ class TrimKV(Policy):
 
     def bind(self, model, budget):
         super().bind(model, budget)
-        self.sink_count = int(_gate_settings(model, "trimkv").get("sinks", 0))
-        if self.sink_count >= budget:
-            raise EngineError(f"trimkv budget={budget} does not exceed the model's {self.sink_count} sinks; "
-                              f"valid: budget >= {self.sink_count + 1}")
+        self.sink_count = _sinks_within(_gate_settings(model, "trimkv"), budget)
         if self.burst < 0:
             raise EngineError(f"trimkv burst={self.burst} is invalid; it must be >= 0")
 
@@ -349,3 +343,12 @@ def _gate_settings(model, kind: str) -> dict:
         raise EngineError(f"the {kind} policy needs a model with {kind} gates (models.attach_gates or a "
                           f"checkpoint snapshot); this model has {have}")
     return settings
+
+
+def _sinks_within(settings: dict, budget: int) -> int:
+    """The model's sink count, which must leave room in the budget (sinks are kept inside it)."""
+    sinks = int(settings.get("sinks", 0))
+    if sinks >= budget:
+        raise EngineError(f"{settings['kind']} budget={budget} does not exceed the model's {sinks} sinks; "
+                          f"valid: budget >= {sinks + 1}")
+    return sinks
