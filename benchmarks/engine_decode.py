@@ -55,7 +55,7 @@ def run(model, make_cache, prompt: torch.Tensor, batch: int, steps: int) -> dict
         stats = cache.stats()
         result["kv_bytes"] = stats.bytes_allocated
         result["read_reduction"] = stats.read_reduction
-        result["over_budget"] = stats.capacity_evictions if cache.policy.name == "dms" else None
+        result["capacity_evictions"] = stats.capacity_evictions if cache.policy.name == "dms" else None
     else:
         result["kv_bytes"] = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
     return result
@@ -98,7 +98,7 @@ def main() -> None:
         from eval.quick import resolve_snapshot
 
         learned, _, meta = load_snapshot(resolve_snapshot(snapshot))
-        kind = meta["config"]["gate"]["kind"]
+        kind = meta.gate_kind
         caches[kind] = (learned, lambda learned=learned, kind=kind: BoundedCache(learned, policy=kind, budget=args.budget))
 
     print(f"SmolLM2-135M, context {args.context}, decode {args.decode}, budget {args.budget}, "
@@ -112,7 +112,7 @@ def main() -> None:
                   f"x{result['step_s'] / full['step_s']:5.2f}  KV {result['kv_bytes'] / 2**20:8.1f} MiB  "
                   f"x{result['kv_bytes'] / full['kv_bytes']:6.3f}  reads /{result.get('read_reduction', 1.0):5.2f}  "
                   f"prefill {result['prefill_s']:6.1f} s"
-                  + (f"  forced evictions {result['over_budget']}" if result.get("over_budget") is not None else ""),
+                  + (f"  capacity evictions {result['capacity_evictions']}" if result.get("capacity_evictions") is not None else ""),
                   flush=True)
     print("KV memory target: <= 1/8 of full (+ window/context for DMS)")
     for batch in args.batches:

@@ -24,11 +24,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: no snapshots under {args.run_dir}/snapshots", file=sys.stderr)
                 return 2
             for folder, meta in family:
-                print(f"{folder}\tcr={meta['cr']:.2f}\tstep={meta['step']}\tgate={meta['gate_kind']}\tbackbone={meta['backbone']}")
+                print(f"{folder}\tcr={meta.cr:.2f}\tstep={meta.step}\tgate={meta.gate_kind}\tbackbone={meta.backbone}")
         else:
-            meta = read_meta(args.snapshot)
-            meta.pop("config", None)
-            print(json.dumps(meta, indent=2))
+            shown = read_meta(args.snapshot).to_json()
+            shown.pop("config")
+            print(json.dumps(shown, indent=2))
     except SnapshotError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

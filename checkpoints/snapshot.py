@@ -7,11 +7,13 @@ a killed run never leaves half a snapshot.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -22,6 +24,70 @@ WEIGHTS = "trainable.safetensors"
 
 class SnapshotError(ValueError):
     """A snapshot folder that is missing, incomplete or corrupt."""
+
+
+@dataclasses.dataclass
+class SnapshotMeta:
+    """What `retrokv.json` holds: how to rebuild the gated model, and where it came from."""
+
+    backbone: str
+    """The backbone the gates were trained on (the embedded name, a Hub id or a folder)."""
+    gate_kind: str
+    """A registered gate kind (models.GATE_KINDS)."""
+    gate_settings: dict
+    """The kind's settings, as attach_gates takes them."""
+    backbone_mode: str = "frozen"
+    """frozen | lora | full: which backbone tensors the snapshot holds besides the gates."""
+    dtype: str = "float32"
+    """The backbone dtype the run trained in (the default when loading)."""
+    lora: Optional[dict] = None
+    """peft LoRA settings when backbone_mode is lora."""
+    cr: float = 1.0
+    """The compression ratio the schedule had reached when the snapshot was written."""
+    step: int = 0
+    """Optimizer steps completed."""
+    recipe: str = ""
+    """The training recipe's name."""
+    config: dict = dataclasses.field(default_factory=dict)
+    """The whole resolved run config (provenance; its data section names the held-out split)."""
+
+    @classmethod
+    def from_json(cls, values: Any, source: str | Path) -> "SnapshotMeta":
+        """Typed metadata from a parsed retrokv.json, naming `source` and the bad key when it does not fit."""
+        from models import GateError
+        from models.gating import make_settings
+
+        if not isinstance(values, dict):
+            raise SnapshotError(f"{source} holds a JSON {type(values).__name__}, not the snapshot metadata object")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        required = [n for n, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [n for n in required if n not in values]
+        if missing:
+            raise SnapshotError(f"{source} lacks {missing}; a snapshot records {sorted(fields)}")
+        known = {k: v for k, v in values.items() if k in fields}
+        for name, value in known.items():
+            expected = _JSON_TYPES[name]
+            if value is not None and not isinstance(value, expected) or (value is None and name != "lora"):
+                raise SnapshotError(f"{source}: {name}={value!r} is invalid; expected {_type_names(expected)}")
+        settings = {"sinks": 0, **known["gate_settings"]}  # written before attention sinks existed: none
+        try:
+            make_settings(known["gate_kind"], **settings).validate(prefix=f"{known['gate_kind']} ")
+        except GateError as err:
+            raise SnapshotError(f"{source}: {err}") from None
+        return cls(**{**known, "gate_settings": settings})
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_JSON_TYPES = {"backbone": str, "gate_kind": str, "gate_settings": dict, "backbone_mode": str, "dtype": str,
+               "lora": dict, "cr": (int, float), "step": int, "recipe": str, "config": dict}
+
+
+def _type_names(expected) -> str:
+    types = expected if isinstance(expected, tuple) else (expected,)
+    return " or ".join({"str": "a string", "dict": "an object", "int": "an integer", "float": "a number"}[t.__name__]
+                       for t in types)
 
 
 def trained_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -36,14 +102,14 @@ def trained_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().to("cpu").contiguous() for n, p in params}
 
 
-def save_snapshot(tensors: dict[str, torch.Tensor], folder: str | Path, meta: dict) -> Path:
+def save_snapshot(tensors: dict[str, torch.Tensor], folder: str | Path, meta: SnapshotMeta) -> Path:
     """Write `tensors` (see trained_tensors) and `meta` as a snapshot folder, atomically."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
         save_file(tensors, str(staging / WEIGHTS))
-        (staging / META).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+        (staging / META).write_text(json.dumps(meta.to_json(), indent=2, sort_keys=True, default=str))
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(staging, folder)
@@ -52,26 +118,24 @@ def save_snapshot(tensors: dict[str, torch.Tensor], folder: str | Path, meta: di
     return folder
 
 
-def read_meta(folder: str | Path) -> dict:
+def read_meta(folder: str | Path) -> "SnapshotMeta":
     path = Path(folder) / META
     if not path.is_file():
         raise SnapshotError(f"{folder} is not a RetroKV snapshot: {META} is missing")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+        values = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise SnapshotError(f"{path} is corrupt: {err}") from None
+    return SnapshotMeta.from_json(values, path)
 
 
 def load_snapshot(folder: str | Path, dtype: str | None = None, device: str = "cpu"):
     """Rebuild backbone + gates (+ LoRA) and load the trained tensors. Returns (model, tokenizer, meta)."""
-    import models
-    from models.trainable import configure_backbone
+    from models import build_gated_model
 
     meta = read_meta(folder)
-    model, tokenizer = models.load_backbone(meta["backbone"], dtype=dtype or meta.get("dtype", "float32"), device=device)
-    # snapshots written before attention sinks existed were trained (and are served) without them
-    models.attach_gates(model, meta["gate_kind"], **{"sinks": 0, **meta["gate_settings"]})
-    model = configure_backbone(model, meta["backbone_mode"], lora=meta.get("lora"))
+    model, tokenizer = build_gated_model(meta.backbone, meta.gate_kind, meta.gate_settings, dtype=dtype or meta.dtype,
+                                         device=device, backbone_mode=meta.backbone_mode, lora=meta.lora)
     try:
         tensors = load_file(str(Path(folder) / WEIGHTS), device=device)
     except Exception as err:  # safetensors raises several types for truncated or garbled files
@@ -92,4 +156,4 @@ def load_snapshot(folder: str | Path, dtype: str | None = None, device: str = "c
 def list_snapshots(run_dir: str | Path) -> list[tuple[Path, dict]]:
     """A run's CR family, sorted by CR."""
     found = [(p.parent, read_meta(p.parent)) for p in sorted(Path(run_dir).glob(f"snapshots/*/{META}"))]
-    return sorted(found, key=lambda item: (item[1].get("cr", 0), item[1].get("step", 0)))
+    return sorted(found, key=lambda item: (item[1].cr, item[1].step))

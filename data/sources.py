@@ -15,7 +15,7 @@ from pathlib import Path
 
 import datasets
 
-from models.backbone import packaged_file
+from assets import packaged_file
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from train.config import RecipeError
+from recipes import RecipeError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,12 +9,11 @@ is one cell with one JSONL record. `python -m eval perplexity` is the sweep reci
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
-from train.config import RecipeError, available_recipes, choice, load_structured
+from recipes import RECIPES_DIR, RecipeError, available_recipes, choice, load_structured
 
-EVAL_RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes" / "eval"
+EVAL_RECIPES_DIR = RECIPES_DIR / "eval"
 BASELINES = ("full", "window", "sink", "h2o", "tova", "quest")
 TASKS = ("perplexity", "niah", "variable_tracking", "math")
 
@@ -23,25 +22,38 @@ TASKS = ("perplexity", "niah", "variable_tracking", "math")
 class PerplexityTask:
     """Streaming perplexity and KL to the full cache over long held-out documents, through the engine."""
 
-    source: str = "essays"  # essays (the haystack's held-out tenth) | files | hf | run (a training run's held-out rows)
-    path: Optional[str] = None  # files: a .txt/.jsonl/.json/.parquet/.csv file or folder; hf: a datasets name; run: its folder
-    split: str = "train"  # the datasets split (hf)
+    source: str = "essays"
+    """essays (the haystack's held-out tenth) | files | hf | run (a training run's held-out rows)."""
+    path: Optional[str] = None
+    """files: a .txt/.jsonl/.json/.parquet/.csv file or folder; hf: a datasets name; run: its folder."""
+    split: str = "train"
+    """The datasets split (hf)."""
     text_column: str = "text"
-    documents: int = 2  # documents scored
-    tokens: int = 2048  # tokens per document (longer texts are cut, shorter ones skipped)
-    score_from: int = 256  # positions before this are context only (the cache is still filling)
-    chunk_size: int = 32  # tokens per forward through the engine; 1 is token by token (exact decode)
+    """Column holding the text (files, hf)."""
+    documents: int = 2
+    """Documents scored."""
+    tokens: int = 2048
+    """Tokens per document (longer texts are cut, shorter ones skipped)."""
+    score_from: int = 256
+    """Positions before this are context only (the cache is still filling)."""
+    chunk_size: int = 32
+    """Tokens per forward through the engine; 1 is token by token (exact decode)."""
 
 
 @dataclass
 class NeedleTask:
     """RULER-style needle in a haystack: magic numbers hidden in held-out essays, retrieved by generation."""
 
-    context_lengths: list[int] = field(default_factory=lambda: [1024, 2048])  # prompt tokens
-    depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])  # where the (first) needle sits
-    needles: list[int] = field(default_factory=lambda: [1])  # needles hidden; one is asked for
-    samples: int = 1  # prompts per (length, depth, needle count)
+    context_lengths: list[int] = field(default_factory=lambda: [1024, 2048])
+    """Prompt tokens."""
+    depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
+    """Where the (first) needle sits."""
+    needles: list[int] = field(default_factory=lambda: [1])
+    """Needles hidden; one is asked for."""
+    samples: int = 1
+    """Prompts per (length, depth, needle count)."""
     max_new_tokens: int = 16
+    """Most tokens generated per answer."""
 
 
 @dataclass
@@ -49,45 +61,77 @@ class VariableTrackingTask:
     """RULER-style variable tracking: a chain VAR A = 12345, VAR B = VAR A, ... in repeated noise."""
 
     context_lengths: list[int] = field(default_factory=lambda: [1024, 2048])
+    """Prompt tokens."""
     hops: int = 4
+    """Assignments in a chain between the value and the asked name."""
     chains: int = 1
+    """Independent chains hidden in the noise."""
     samples: int = 3
+    """Prompts per context length."""
     max_new_tokens: int = 24
+    """Most tokens generated per answer."""
 
 
 @dataclass
 class MathTask:
     """Math word problems answered by generation (chat template), graded with math-verify."""
 
-    source: str = "gsm_symbolic"  # gsm_symbolic (reasoning-gym, offline) | gsm8k | math500 | aime | files | hf
-    path: Optional[str] = None  # a datasets name or local file/folder for gsm8k/math500/aime/files/hf
+    source: str = "gsm_symbolic"
+    """gsm_symbolic (reasoning-gym, offline) | gsm8k | math500 | aime | files | hf."""
+    path: Optional[str] = None
+    """A datasets name or local file/folder for gsm8k/math500/aime/files/hf."""
     split: str = "test"
+    """The datasets split."""
     samples: int = 8
-    temperature: float = 0.7  # sampling temperature when W > 1 (W = 1 is greedy)
+    """Problems evaluated."""
+    temperature: float = 0.7
+    """Sampling temperature when W > 1 (W = 1 is greedy)."""
 
 
 @dataclass
 class EvalConfig:
+    """One evaluation: `python -m eval SUITE [key=value ...]` (a recipe in recipes/eval)."""
+
     recipe: str = "perplexity"
+    """The evaluation recipe the run started from (set by the loader)."""
     output_dir: str = "outputs/eval/${recipe}"
-    seed: int = 1234  # task generation and sampling; training draws gsm_symbolic with its own seed (0 by default)
-    device: str = "auto"  # auto (CUDA when present) | cpu | cuda | cuda:N
-    dtype: str = "float32"  # float32 | bfloat16 | float16
-    backbone: str = "smollm2-135m"  # the model the baselines run on (the snapshots' base model)
-    snapshots: list[str] = field(default_factory=list)  # snapshot folders, or run folders (their final snapshot)
-    family: bool = False  # a run folder stands for its whole CR family instead of its final snapshot
+    """Where records (JSONL), the report and plots go."""
+    seed: int = 1234
+    """Task generation and sampling; training draws gsm_symbolic with its own seed (0 by default)."""
+    device: str = "auto"
+    """auto (CUDA when present) | cpu | cuda | cuda:N."""
+    dtype: str = "float32"
+    """float32 | bfloat16 | float16."""
+    backbone: str = "smollm2-135m"
+    """The model the baselines run on (the snapshots' base model)."""
+    snapshots: list[str] = field(default_factory=list)
+    """Snapshot folders, or run folders (their final snapshot)."""
+    family: bool = False
+    """A run folder stands for its whole CR family instead of its final snapshot."""
     policies: list[str] = field(default_factory=lambda: ["full", "window", "sink", "h2o", "tova"])
-    budgets: list[int] = field(default_factory=lambda: [128, 256, 512])  # KV tokens per (sequence, KV head)
-    learned_budget: Optional[int] = None  # the learned policies' slot cap (default: the largest context)
-    match_memory: bool = True  # add each baseline at every learned cell's realised mean and peak KV tokens
+    """Training-free baselines: full | window | sink | h2o | tova | quest."""
+    budgets: list[int] = field(default_factory=lambda: [128, 256, 512])
+    """KV tokens per (sequence, KV head)."""
+    learned_budget: Optional[int] = None
+    """The learned policies' slot cap (default: the largest context)."""
+    match_memory: bool = True
+    """Add each baseline at every learned cell's realised mean and peak KV tokens."""
     tasks: list[str] = field(default_factory=lambda: ["perplexity"])
-    samples_w: list[int] = field(default_factory=lambda: [1])  # W: parallel samples, majority vote (math)
-    max_length_l: list[int] = field(default_factory=lambda: [256])  # L: most tokens generated (math)
-    batch_size: int = 4  # prompts generated together (left-padded)
+    """Tasks run for every method: perplexity | niah | variable_tracking | math."""
+    samples_w: list[int] = field(default_factory=lambda: [1])
+    """W: parallel samples, majority vote (math)."""
+    max_length_l: list[int] = field(default_factory=lambda: [256])
+    """L: most tokens generated (math)."""
+    batch_size: int = 4
+    """Prompts generated together (left-padded)."""
     perplexity: PerplexityTask = field(default_factory=PerplexityTask)
+    """Streaming perplexity settings."""
     niah: NeedleTask = field(default_factory=NeedleTask)
+    """Needle-in-a-haystack settings."""
     variable_tracking: VariableTrackingTask = field(default_factory=VariableTrackingTask)
+    """Variable-tracking settings."""
     math: MathTask = field(default_factory=MathTask)
+    """Math word-problem settings."""
 
 
 def available_eval_recipes() -> list[str]:

@@ -30,13 +30,13 @@ def generate(model, tokenizer, prompts: list[str], policy, budget: int, max_new_
         batch = tokenizer([prompts[i] for i in index], return_tensors="pt", padding=True, add_special_tokens=False)
         ids = batch.input_ids.repeat_interleave(samples, 0).to(device)
         mask = batch.attention_mask.repeat_interleave(samples, 0).to(device)
-        cache = BoundedCache(model, policy=policy, budget=budget)
         torch.manual_seed(generator_seed)
         generator_seed += 1
         sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature > 0 \
             else {"do_sample": False}
-        out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=max_new_tokens,
-                             pad_token_id=tokenizer.pad_token_id, **sampling)
+        with BoundedCache(model, policy=policy, budget=budget) as cache:
+            out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=max_new_tokens,
+                                 pad_token_id=tokenizer.pad_token_id, **sampling)
         new = out[:, ids.shape[1]:]
         finished = (new == tokenizer.eos_token_id).long().cumsum(-1) == 0  # tokens before the first EOS
         generated += int(finished.sum())

@@ -34,7 +34,7 @@ class RetroKVLM(LM):
             from eval.quick import resolve_snapshot
 
             self.model, self.tokenizer, meta = load_snapshot(resolve_snapshot(snapshot), dtype=dtype, device=self._device)
-            self.policy = policy or meta["gate_kind"]
+            self.policy = policy or meta.gate_kind
         else:
             from models import load_backbone
 
@@ -51,7 +51,8 @@ class RetroKVLM(LM):
     @torch.no_grad()
     def _continuation_logprobs(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
         ids = torch.tensor([context + continuation], device=self._device)
-        logits = self.model(input_ids=ids[:, :-1], cache=self._cache(), use_cache=True).logits[0, -len(continuation):]
+        with self._cache() as cache:
+            logits = self.model(input_ids=ids[:, :-1], cache=cache, use_cache=True).logits[0, -len(continuation):]
         logp = F.log_softmax(logits.float(), -1)
         target = torch.tensor(continuation, device=self._device)
         return float(logp.gather(-1, target[:, None]).sum()), bool((logp.argmax(-1) == target).all())
@@ -86,9 +87,10 @@ class RetroKVLM(LM):
             if sampling["do_sample"]:
                 sampling["temperature"] = float(kwargs.get("temperature", 1.0))
             ids = torch.tensor([self._encode(context)], device=self._device)
-            generated = self.model.generate(ids, attention_mask=torch.ones_like(ids), cache=self._cache(),
-                                            max_new_tokens=max_new, pad_token_id=self.tokenizer.pad_token_id,
-                                            stop_strings=until or None, tokenizer=self.tokenizer, **sampling)
+            with self._cache() as cache:
+                generated = self.model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
+                                                max_new_tokens=max_new, pad_token_id=self.tokenizer.pad_token_id,
+                                                stop_strings=until or None, tokenizer=self.tokenizer, **sampling)
             text = self.tokenizer.decode(generated[0, ids.shape[1]:], skip_special_tokens=True)
             for stop in until:
                 text = text.split(stop)[0]

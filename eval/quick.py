@@ -13,15 +13,13 @@ import math
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 from tqdm import tqdm
 
 import models
-from checkpoints import list_snapshots, load_snapshot
-from models import masks
+from checkpoints import SnapshotMeta, list_snapshots, load_snapshot
+from data.config import DataConfig
 from models.gates import GateMode
-from train.config import RunConfig
-from train.losses import token_kl
+from models.metrics import token_kl
 
 
 def resolve_snapshot(path: str | Path) -> Path:
@@ -37,29 +35,22 @@ def resolve_snapshot(path: str | Path) -> Path:
     return family[-1][0]
 
 
-def run_config(meta: dict) -> RunConfig:
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), meta["config"]))
-
-
-def visible_keys(evict_hard: torch.Tensor, attention_mask: torch.Tensor, window: int) -> torch.Tensor:
-    """Keys each real query attends to under hard DMS decisions (the attention mask's own rule): [B, n, T]."""
-    length = attention_mask.shape[1]
-    distance = masks.query_key_distance(length, length, attention_mask.device)
-    real = attention_mask.bool()
-    valid = (distance >= 0) & real[:, None, None, :] & real[:, None, :, None]
-    return (valid & masks.dms_hard_visible(evict_hard.bool(), distance, window)).sum(-1)
+def run_data(meta: SnapshotMeta) -> tuple[DataConfig, int]:
+    """The data config and seed of the run that wrote the snapshot: they name its held-out split."""
+    return DataConfig.from_dict(meta.config.get("data", {})), int(meta.config.get("seed", 0))
 
 
 @torch.no_grad()
 def quick_eval(snapshot: str | Path, max_batches: int | None = None, device: str = "cpu",
                dtype: str | None = None) -> dict:
+    from assets import cache_root
     from data import RetrofitDataModule
-    from models.backbone import cache_root
 
     folder = resolve_snapshot(snapshot)
     model, tokenizer, meta = load_snapshot(folder, dtype=dtype, device=device)
-    cfg = run_config(meta)
-    data = RetrofitDataModule(cfg.data, tokenizer, cfg.seed, cache_root() / "data")
+    data_config, seed = run_data(meta)
+    kind, settings = models.gate_kind(meta.gate_kind), models.gate_settings(model)[1]
+    data = RetrofitDataModule(data_config, tokenizer, seed, cache_root() / "data")
     data.setup()
     if not data.eval_set:
         raise ValueError(f"run config of {folder} has no held-out split (data.eval_samples=0)")
@@ -82,21 +73,14 @@ def quick_eval(snapshot: str | Path, max_batches: int | None = None, device: str
             totals[f"nll_{name}"] += float(nll)
         totals["tokens"] += int(pair.sum())
         causal = (mask.cumsum(-1) * mask).sum()  # sum over real queries of real keys up to them
-        per_head = len(outputs) * (outputs[0].get("evict_hard", outputs[0].get("log_beta"))).shape[1]
-        totals["reads_full"] += int(causal) * per_head
-        if cfg.gate.kind == "dms":
-            for out in outputs:
-                totals["reads_gated"] += int(visible_keys(out["evict_hard"], mask, cfg.gate.dms.window).sum())
-        else:
-            budget = cfg.gate.trimkv.budget
-            positions = mask.cumsum(-1)
-            totals["reads_gated"] += int(positions.clamp(max=budget)[real].sum()) * per_head
+        totals["reads_full"] += int(causal) * sum(gate.num_outputs for gate in models.model_gates(model))
+        totals["reads_gated"] += kind.kv_reads(outputs, mask, settings)
     n = max(totals["tokens"], 1)
     real_tokens = max(sum(int(b["attention_mask"].sum()) for b in batches), 1)
     result = {
         "snapshot": str(folder),
-        "cr_trained": meta.get("cr"),
-        "step": meta.get("step"),
+        "cr_trained": meta.cr,
+        "step": meta.step,
         "kl_full_to_gated": totals["kl"] / real_tokens,
         "ppl_full": math.exp(totals["nll_full"] / n),
         "ppl_gated": math.exp(totals["nll_gated"] / n),

@@ -205,8 +205,8 @@ def retention_heatmap(snapshot: str, tokens: int, out: str | None, device: str, 
     folder = resolve_snapshot(snapshot)
     model, tokenizer, meta = load_snapshot(folder, dtype=dtype, device=device)
     ids = heldout_documents(PerplexityTask(documents=1, tokens=tokens), tokenizer)[0].to(device)
-    budget = int(meta["gate_settings"].get("budget", tokens)) if meta["gate_kind"] == "trimkv" else tokens
-    result = stream_document(model, ids, meta["gate_kind"], budget, 32, reference_logprobs(model, ids), 0)
+    budget = int(meta.gate_settings.get("budget", tokens))  # TRIM-KV serves its trained M
+    result = stream_document(model, ids, meta.gate_kind, budget, 32, reference_logprobs(model, ids), 0)
     png = Path(out) if out else folder / "eval" / "retention.png"
     png.parent.mkdir(parents=True, exist_ok=True)
     _heatmap(result.stats.mean_tokens.float() / realised_mean(tokens, [tokens]),

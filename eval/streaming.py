@@ -48,16 +48,16 @@ def stream_document(model, ids: torch.Tensor, policy: str | Policy, budget: int,
     if length < score_from + 2:
         raise EvalError(f"a text of {length} tokens is too short to score from position {score_from}; "
                         f"give texts of at least {score_from + 2} tokens or lower score_from")
-    cache = BoundedCache(model, policy=policy, budget=budget, chunk_size=chunk_size)
     nll, kl = [], []
-    for start in range(0, length - 1, chunk_size):
-        end = min(start + chunk_size, length - 1)  # the last token predicts nothing
-        logits = model(input_ids=ids[None, start:end], cache=cache, use_cache=True).logits[0]
-        first = max(score_from, start)
-        if first >= end:
-            continue
-        logp = torch.log_softmax(logits[first - start:].float(), -1)
-        ref = reference[first:end].to(logp.device)
-        nll.append(-logp.gather(-1, ids[first + 1:end + 1, None].to(logp.device))[:, 0])
-        kl.append((ref.exp() * (ref - logp)).sum(-1).clamp(min=0))
+    with BoundedCache(model, policy=policy, budget=budget, chunk_size=chunk_size) as cache:
+        for start in range(0, length - 1, chunk_size):
+            end = min(start + chunk_size, length - 1)  # the last token predicts nothing
+            logits = model(input_ids=ids[None, start:end], cache=cache, use_cache=True).logits[0]
+            first = max(score_from, start)
+            if first >= end:
+                continue
+            logp = torch.log_softmax(logits[first - start:].float(), -1)
+            ref = reference[first:end].to(logp.device)
+            nll.append(-logp.gather(-1, ids[first + 1:end + 1, None].to(logp.device))[:, 0])
+            kl.append((ref.exp() * (ref - logp)).sum(-1).clamp(min=0))
     return StreamResult(nll=torch.cat(nll).cpu(), kl=torch.cat(kl).cpu(), stats=cache.stats())

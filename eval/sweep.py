@@ -68,13 +68,13 @@ def learned_methods(cfg: EvalConfig) -> list[Method]:
                 raise FileNotFoundError(f"{entry} has no snapshots/")
             for folder in folders:
                 meta = read_meta(folder)
-                if meta["backbone"] != cfg.backbone:
-                    raise EvalError(f"snapshot {folder} was trained on backbone {meta['backbone']!r}, but the baseline "
-                                    f"rows run on backbone={cfg.backbone!r}; set backbone={meta['backbone']} or "
+                if meta.backbone != cfg.backbone:
+                    raise EvalError(f"snapshot {folder} was trained on backbone {meta.backbone!r}, but the baseline "
+                                    f"rows run on backbone={cfg.backbone!r}; set backbone={meta.backbone} or "
                                     "evaluate snapshots of one base model per sweep")
-                kind = meta["gate_kind"]
+                kind = meta.gate_kind
                 methods.append(Method(label=f"{kind} {folder.parent.parent.name}/{folder.name}", policy=kind,
-                                      budget=cfg.learned_budget, snapshot=str(folder), cr=meta.get("cr")))
+                                      budget=cfg.learned_budget, snapshot=str(folder), cr=meta.cr))
         except (FileNotFoundError, SnapshotError) as err:
             raise EvalError(f"snapshots item {entry!r}: {err}") from None
     return methods

@@ -49,16 +49,16 @@ def heldout_documents(cfg, tokenizer) -> list[torch.Tensor]:
 def run_heldout_rows(cfg, tokenizer) -> list[torch.Tensor]:
     """The held-out split a training run set aside (its data config, prepared as for training): each row's
     real tokens, one document per row (rows start at a document start)."""
+    from assets import cache_root
     from checkpoints import read_meta
     from data import RetrofitDataModule
-    from eval.quick import resolve_snapshot, run_config
-    from models.backbone import cache_root
+    from eval.quick import resolve_snapshot, run_data
 
     try:
-        run = run_config(read_meta(resolve_snapshot(cfg.path)))
+        data_config, seed = run_data(read_meta(resolve_snapshot(cfg.path)))
     except (FileNotFoundError, ValueError) as err:
         raise EvalError(f"perplexity.path={cfg.path!r} is not a training run or snapshot: {err}") from None
-    data = RetrofitDataModule(run.data, tokenizer, run.seed, cache_root() / "data")
+    data = RetrofitDataModule(data_config, tokenizer, seed, cache_root() / "data")
     data.setup()
     rows = [torch.tensor(r["input_ids"])[torch.tensor(r["attention_mask"]).bool()] for r in (data.eval_set or [])]
     docs = [ids[:cfg.tokens] for ids in rows if len(ids) >= cfg.score_from + 2]

@@ -1,4 +1,9 @@
-"""Backbones and the learned eviction gates retrofitted onto them."""
+"""Backbones and the learned eviction gates retrofitted onto them.
+
+backbone.py loads a causal LM; gates/ holds one module per gate kind; gating.py attaches gates to a model
+and switches them; attention.py is the attention function they bias; trainable.py builds a gated model
+with its trainable set; masks.py and metrics.py are the shared formulas.
+"""
 
 from models.backbone import (
     EMBEDDED_NAME,
@@ -6,26 +11,24 @@ from models.backbone import (
     load_backbone,
     load_backbone_config,
 )
-from models.gates import (
+from models.gates import GATE_KINDS, DMSSettings, GateError, GateMode, TrimKVSettings, gate_kind
+from models.gating import (
     SUPPORTED_FAMILIES,
-    DMSSettings,
-    GateError,
-    GateMode,
-    TrimKVSettings,
     attach_gates,
+    detach_gates,
     gate_mode,
     gate_outputs,
+    gate_settings,
     gate_state,
     gate_statistics,
     model_gates,
     set_gate_mode,
-    uncertain_decision_share,
 )
-from models.trainable import configure_backbone
+from models.trainable import build_gated_model, configure_backbone
 
 __all__ = [
-    "EMBEDDED_NAME", "BackboneError", "load_backbone", "load_backbone_config", "SUPPORTED_FAMILIES",
-    "DMSSettings", "GateError", "GateMode", "TrimKVSettings", "attach_gates", "gate_mode", "gate_outputs",
-    "gate_state", "gate_statistics", "model_gates", "set_gate_mode", "configure_backbone",
-    "uncertain_decision_share",
+    "EMBEDDED_NAME", "BackboneError", "load_backbone", "load_backbone_config", "SUPPORTED_FAMILIES", "GATE_KINDS",
+    "DMSSettings", "GateError", "GateMode", "TrimKVSettings", "attach_gates", "build_gated_model",
+    "configure_backbone", "detach_gates", "gate_kind", "gate_mode", "gate_outputs", "gate_settings", "gate_state",
+    "gate_statistics", "model_gates", "set_gate_mode",
 ]

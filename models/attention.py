@@ -18,8 +18,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from models.gates import ATTENTION_NAME
-
+ATTENTION_NAME = "retrokv"
 _BACKEND_ENV = "RETROKV_ATTENTION"  # "sdpa" or "flex"; default: flex on CUDA, sdpa elsewhere
 
 
@@ -60,13 +59,12 @@ def gated_attention(module, query, key, value, attention_mask, scaling=None, dro
     valid = _valid_pattern(attention_mask, batch, q_len, k_len, query.device)
     query = gate.mask_query(query)
     scaling = head_dim**-0.5 if scaling is None else scaling
-    multiplicative = getattr(gate, "multiplicative", False)
-    if attention_backend(query.device) == "flex" and not multiplicative:
-        score_mod = gate.attention_bias(valid, q_len, k_len, dtype=query.dtype, as_score_mod=True)
+    if attention_backend(query.device) == "flex" and not gate.multiplicative:
+        score_mod = gate.attention_score_mod(valid, q_len, k_len, dtype=query.dtype)
         out = _flex(query, key, value, score_mod, scaling)
     else:
         bias = gate.attention_bias(valid, q_len, k_len, dtype=query.dtype)  # [B, n, Tq, Tk], n = Hkv or 1
-        if multiplicative:
+        if gate.multiplicative:
             out = _grouped_eager_multiplicative(query, key, value, bias, gate.decay_factor(q_len, k_len), scaling)
         else:
             out = _grouped_sdpa(query, key, value, bias, scaling, dropout if module.training else 0.0)

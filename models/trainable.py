@@ -1,4 +1,6 @@
-"""Which parameters a retrofit trains: gates only (frozen backbone), gates + LoRA (peft), or everything."""
+"""A gated model ready to train or serve: which parameters a retrofit trains (gates only on a frozen
+backbone, gates + LoRA through peft, or everything), and the one function that builds backbone + gates +
+trainable set for training and for loading a snapshot alike."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ from typing import Literal
 import torch
 from torch import nn
 
-from models.gates import DMSGate, GateError, decoder_layers, model_gates
+from models.backbone import load_backbone
+from models.gates import GateError, KVGate
+from models.gating import attach_gates, decoder_layers, model_gates
 
 BackboneMode = Literal["frozen", "lora", "full"]
 
@@ -35,17 +39,17 @@ def configure_backbone(model: nn.Module, mode: BackboneMode = "frozen", lora: di
             gate.install_hooks(layer)  # peft replaced q_proj: listen to the wrapper, which includes the adapter
     for gate in model_gates(model):
         gate.requires_grad_(True)
-        if isinstance(gate, DMSGate) and gate.settings.source == "query_neuron":
+        if gate.neuron_indices:
             _train_neuron_rows(model, gate)
     return model
 
 
-def _train_neuron_rows(model: nn.Module, gate: DMSGate) -> None:
+def _train_neuron_rows(model: nn.Module, gate: KVGate) -> None:
     layer = decoder_layers(model)[gate.layer_idx]
     q_proj = layer.self_attn.q_proj
     q_proj = getattr(q_proj, "base_layer", q_proj)
     rows = torch.zeros(q_proj.weight.shape[0], 1, dtype=torch.bool, device=q_proj.weight.device)
-    rows[gate._neuron_flat_index()] = True
+    rows[gate.neuron_indices] = True
     q_proj.weight.requires_grad_(True)
     q_proj.weight.register_hook(lambda grad: grad * rows.to(grad.dtype))
     if q_proj.bias is not None:
@@ -55,3 +59,16 @@ def _train_neuron_rows(model: nn.Module, gate: DMSGate) -> None:
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def build_gated_model(backbone: str, gate_kind: str, gate_settings: dict, *, dtype: str = "float32",
+                      device: str = "cpu", backbone_mode: BackboneMode = "frozen", lora: dict | None = None,
+                      activation_checkpointing: bool = False):
+    """Backbone + gates + trainable set: how training builds its model and how a snapshot is rebuilt.
+    Returns (model, tokenizer)."""
+    model, tokenizer = load_backbone(backbone, dtype=dtype, device=device)
+    attach_gates(model, gate_kind, **gate_settings)
+    model = configure_backbone(model, backbone_mode, lora=lora)
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, tokenizer

@@ -7,7 +7,7 @@ import datasets
 import pytest
 
 from data import DataError, RetrofitDataModule, StepSampler, load_source, prepare
-from train.config import DataConfig
+from data.config import DataConfig
 
 
 def cfg(**kw):

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AttentionInterface, DynamicCache
 
+import models
 from eval.engine import POLICIES, TOVA, BoundedCache, EngineError, Sink
 from models import attach_gates, gate_mode, model_gates
 
@@ -384,6 +385,37 @@ def test_bad_settings_get_clear_errors():
         model(torch.randint(0, 97, (1, 3)), cache=cache)
 
 
+def test_a_closed_cache_restores_the_model_and_refuses_more_work():
+    model = attach_gates(tiny_model(), "dms", window=2)
+    with gate_mode(model, "train"):
+        with BoundedCache(model, policy="dms", budget=8) as cache:
+            assert model.config._attn_implementation == "retrokv_engine" and models.gate_state(model).mode == "infer"
+            model(torch.randint(0, 97, (1, 5)), cache=cache)
+        assert model.config._attn_implementation == "retrokv" and models.gate_state(model).mode == "train"
+        with pytest.raises(EngineError, match="closed"):
+            model(torch.randint(0, 97, (1, 3)), cache=cache)
+        assert cache.stats().tokens_seen == 5  # what it measured stays readable
+    plain = tiny_model()
+    cache = BoundedCache(plain, policy="tova", budget=4)
+    cache.close()
+    cache.close()  # idempotent
+    assert plain.config._attn_implementation == "sdpa"
+
+
+def test_detached_gates_leave_the_original_model():
+    model = tiny_model()
+    ids, mask = left_padded_batch()
+    reference = model(ids, attention_mask=mask).logits
+    for kind in ("dms", "trimkv"):
+        attach_gates(model, kind)
+        models.detach_gates(model)
+        assert not model_gates(model) and not hasattr(model.config, "retrokv")
+        assert model.config._attn_implementation == "sdpa"
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits, reference, rtol=0, atol=0)
+    with pytest.raises(models.GateError, match="no gates to detach"):
+        models.detach_gates(model)
+
+
 def test_the_engine_attention_without_a_bounded_cache_is_the_model_itself():
     model = tiny_model()
     ids, mask = left_padded_batch()
@@ -401,17 +433,16 @@ def test_smollm2_generates_through_the_engine(smollm2, tokenizer):
     model, _ = smollm2
     prompt = tokenizer(["The capital of France is", "Water boils at a temperature of"], return_tensors="pt",
                        padding=True, padding_side="left")
-    model.set_attn_implementation("sdpa")
     full_seq, full_scores = generate(model, prompt.input_ids, prompt.attention_mask, new=12)
-    seq, scores = generate(model, prompt.input_ids, prompt.attention_mask, BoundedCache(model, "tova", budget=64), new=12)
-    model.set_attn_implementation("sdpa")  # the session's model, as other tests expect it
+    with BoundedCache(model, "tova", budget=64) as cache:  # gives the session's model its attention back
+        seq, scores = generate(model, prompt.input_ids, prompt.attention_mask, cache, new=12)
     assert torch.equal(seq, full_seq)
     torch.testing.assert_close(scores, full_scores, atol=1e-4, rtol=1e-4)
     assert "Paris" in tokenizer.decode(seq[0, -12:])
     stop = {"max_new_tokens": 12, "do_sample": False, "stop_strings": ["Paris"], "tokenizer": tokenizer}
     france = tokenizer("The capital of France is", return_tensors="pt")
     with_full = model.generate(**france, **stop)
-    with_engine = model.generate(**france, cache=BoundedCache(model, "window", budget=64), **stop)
-    model.set_attn_implementation("sdpa")
+    with BoundedCache(model, "window", budget=64) as cache:
+        with_engine = model.generate(**france, cache=cache, **stop)
     assert torch.equal(with_engine, with_full)
     assert tokenizer.decode(with_full[0]).endswith("Paris") and with_full.shape[1] < france.input_ids.shape[1] + 12

@@ -139,7 +139,7 @@ def tiny_backbone(tmp_path_factory, tokenizer):
 @pytest.fixture(scope="module")
 def tiny_snapshot(tmp_path_factory, tiny_backbone):
     """A DMS snapshot of the tiny backbone whose random adapter evicts about half the keys."""
-    from checkpoints.snapshot import save_snapshot, trained_tensors
+    from checkpoints.snapshot import SnapshotMeta, save_snapshot, trained_tensors
     from models import attach_gates, configure_backbone, load_backbone, model_gates
 
     model, _ = load_backbone(tiny_backbone)
@@ -149,8 +149,8 @@ def tiny_snapshot(tmp_path_factory, tiny_backbone):
     for gate in model_gates(model):
         gate.proj.weight.data = torch.randn(gate.proj.weight.shape, generator=generator) * 0.3
     run = tmp_path_factory.mktemp("run")
-    meta = {"backbone": tiny_backbone, "gate_kind": "dms", "gate_settings": {"source": "adapter", "window": 4},
-            "backbone_mode": "frozen", "cr": 2.0, "step": 10, "dtype": "float32", "config": {}}
+    meta = SnapshotMeta(backbone=tiny_backbone, gate_kind="dms", gate_settings={"source": "adapter", "window": 4},
+                        backbone_mode="frozen", cr=2.0, step=10, dtype="float32")
     save_snapshot(trained_tensors(model), run / "snapshots" / "final", meta)
     return str(run)
 

@@ -1,6 +1,7 @@
 """The gated attention function against plain float64 references on random shapes.
 
-The references below are written loop-by-loop from REFERENCE.md, independently of models.masks.
+The references below are written loop-by-loop from the method notes (docs/methods.md), independently of the
+rules in models/gates/.
 Gate values are injected into real gate objects, then the registered attention function is called.
 """
 

@@ -13,6 +13,7 @@ from models import (
     gate_outputs,
     set_gate_mode,
 )
+from models.gates.dms import uncertain_share
 from tests.conftest import tiny_model
 
 
@@ -50,7 +51,7 @@ def test_gates_off_reproduce_smollm2(smollm2):
         try:
             after = model(**ids).logits
         finally:  # the session-scoped model is shared: take the gates out again
-            for layer in models.gates.decoder_layers(model):
+            for layer in models.gating.decoder_layers(model):
                 layer.self_attn.kv_gate.install_hooks(layer)
                 for handle in layer.self_attn.kv_gate._hooks:
                     handle.remove()
@@ -72,10 +73,10 @@ def test_gradients_reach_gates_and_neuron_rows_only():
     out = model(ids, attention_mask=mask)
     hard = torch.stack([o["evict_hard"] for o in gate_outputs(model)])
     (out.logits.float().pow(2).mean() + hard.mean()).backward()
-    for layer in models.gates.decoder_layers(model):
+    for layer in models.gating.decoder_layers(model):
         gate = layer.self_attn.kv_gate
         q = layer.self_attn.q_proj
-        rows = gate._neuron_flat_index()
+        rows = gate.neuron_indices
         assert q.weight.grad is not None and q.weight.grad[rows].abs().sum() > 0
         others = torch.ones(q.weight.shape[0], dtype=torch.bool)
         others[rows] = False
@@ -147,7 +148,7 @@ def test_uncertain_share_counts_decisions_within_the_noise_margin(offset, expect
     ids, mask = batch_with_left_padding(length=12)
     with torch.no_grad(), gate_mode(model, "train"):
         model(ids, attention_mask=mask)
-        assert float(models.uncertain_decision_share(model, mask)) == expected
+        assert float(uncertain_share(gate_outputs(model), mask)) == expected
 
 
 def test_sinks_stay_visible_when_every_other_key_is_evicted():

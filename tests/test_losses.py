@@ -5,14 +5,12 @@ import math
 import pytest
 import torch
 
+from models.gates.dms import capacity_loss as dms_capacity_loss
+from models.gates.dms import head_cap_loss as dms_head_cap_loss
+from models.gates.trimkv import capacity_loss as trimkv_capacity_loss
+from models.metrics import token_kl
 from train.config import ScheduleConfig
-from train.losses import (
-    chunked_distillation,
-    dms_capacity_loss,
-    dms_head_cap_loss,
-    token_kl,
-    trimkv_capacity_loss,
-)
+from train.losses import chunked_distillation
 from train.schedule import schedule_at
 
 

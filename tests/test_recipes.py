@@ -4,14 +4,24 @@ import json
 
 import pytest
 
+from recipes import RecipeError, available_recipes
 from train.__main__ import main as train_main
-from train.config import RecipeError, available_recipes, load_recipe, total_steps
+from train.config import load_recipe, total_steps
 
 SCALE_RECIPES = ["dms_qwen7b_cr8", "dms_llama1b_cr4", "trimkv_qwen3_4b_m512"]
 
 
 def test_shipped_recipes():
     assert {"dms_smollm2_cr4", "trimkv_smollm2_m128", *SCALE_RECIPES} <= set(available_recipes())
+
+
+def test_every_recipe_opens_with_the_command_that_runs_it():
+    from recipes import RECIPES_DIR
+
+    for path in [*RECIPES_DIR.glob("*.yaml"), *RECIPES_DIR.glob("eval/*.yaml")]:
+        first = path.read_text().splitlines()[0]
+        runner = "train recipe=" + path.stem if path.parent == RECIPES_DIR else "eval " + path.stem
+        assert first.startswith(f"# python -m {runner}"), (path, first)
 
 
 @pytest.mark.parametrize("name", SCALE_RECIPES)

@@ -6,7 +6,8 @@ import json
 import logging
 import sys
 
-from train.config import DEFAULT_RECIPE, RecipeError, available_recipes, load_recipe, to_yaml
+from recipes import RecipeError, available_recipes
+from train.config import DEFAULT_RECIPE, load_recipe, to_yaml
 
 USAGE = f"""usage: python -m train [recipe=NAME] [key=value ...] [--dry-run] [--print-config]
 

@@ -13,23 +13,17 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from omegaconf import OmegaConf
 
-from checkpoints import save_snapshot, trained_tensors
+from checkpoints import SnapshotMeta, save_snapshot, trained_tensors
+from models import gate_kind
 from train.schedule import schedule_at
 
 
-def snapshot_meta(cfg, step: int, cr: float) -> dict:
-    return {
-        "backbone": cfg.model.backbone,
-        "dtype": cfg.model.dtype,
-        "backbone_mode": cfg.model.backbone_mode,
-        "lora": dataclasses.asdict(cfg.model.lora) if cfg.model.backbone_mode == "lora" else None,
-        "gate_kind": cfg.gate.kind,
-        "gate_settings": cfg.gate.settings(),
-        "cr": cr,
-        "step": step,
-        "recipe": cfg.recipe,
-        "config": OmegaConf.to_container(OmegaConf.structured(cfg)),
-    }
+def snapshot_meta(cfg, step: int, cr: float) -> SnapshotMeta:
+    return SnapshotMeta(
+        backbone=cfg.model.backbone, gate_kind=cfg.gate.kind, gate_settings=cfg.gate.settings(),
+        backbone_mode=cfg.model.backbone_mode, dtype=cfg.model.dtype,
+        lora=dataclasses.asdict(cfg.model.lora) if cfg.model.backbone_mode == "lora" else None,
+        cr=cr, step=step, recipe=cfg.recipe, config=OmegaConf.to_container(OmegaConf.structured(cfg)))
 
 
 class CRFamilySnapshots(L.Callback):
@@ -46,7 +40,7 @@ class CRFamilySnapshots(L.Callback):
         previous = schedule_at(done - 2, cfg.schedule).cr if done >= 2 else 1.0
         current = schedule_at(done - 1, cfg.schedule).cr
         crossed = [k for k in range(2, math.floor(current + 1e-9) + 1) if previous + 1e-9 < k <= current + 1e-9]
-        if cfg.gate.kind == "dms":
+        if gate_kind(cfg.gate.kind).anneals_cr:
             for k in crossed:
                 self._save(trainer, module, f"cr{k}", float(k))
 

@@ -1,37 +1,38 @@
-"""Recipes: typed run configuration, loaded from recipes/NAME.yaml and `key=value` overrides.
+"""Training recipes: the typed run configuration, loaded from recipes/NAME.yaml and `key=value` overrides.
 
-The schema is a tree of dataclasses (OmegaConf structured config), so an unknown key or a wrongly
-typed value is caught at load time; `validate` then rejects impossible values. Every error names the
-bad key or value and what would be valid.
+The schema is a tree of dataclasses (OmegaConf structured config), so an unknown key or a wrongly typed
+value is caught at load time; `validate` then rejects impossible values. Every error names the bad key or
+value and what would be valid. The gate section has one field per registered gate kind
+(models.gates.GATE_KINDS), each with the kind's own settings and validation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf import MISSING, OmegaConf
 
-from models.gates import DMSSettings, TrimKVSettings
+from data.config import DataConfig
+from models.gates import GATE_KINDS, GateError
+from recipes import RECIPES_DIR, RecipeError, choice, load_structured
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 DEFAULT_RECIPE = "dms_smollm2_cr4"
-
-
-class RecipeError(ValueError):
-    """A recipe or override that cannot run, naming the bad key or value and the valid choices."""
 
 
 @dataclass
 class LoraConfig:
+    """peft LoRA adapters (model.backbone_mode=lora)."""
+
     r: int = 8
+    """Adapter rank."""
     lora_alpha: int = 16
+    """Adapter scale numerator (scale = lora_alpha / r)."""
     lora_dropout: float = 0.0
+    """Dropout on the adapter input."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Linear layers that get adapters."""
 
 
 @dataclass
@@ -39,127 +40,185 @@ class ArchitectureConfig:
     """The backbone's shape, for `--dry-run` checks of scale recipes without downloading the model."""
 
     model_type: str = MISSING
+    """transformers model type: llama | qwen2 | qwen3 | mistral."""
     hidden_size: int = MISSING
+    """Residual stream width."""
     intermediate_size: int = MISSING
+    """MLP width."""
     num_hidden_layers: int = MISSING
+    """Decoder layers."""
     num_attention_heads: int = MISSING
+    """Query heads."""
     num_key_value_heads: int = MISSING
+    """KV heads (GQA groups)."""
     head_dim: int = MISSING
+    """Channels per head."""
     vocab_size: int = MISSING
+    """Tokenizer vocabulary."""
     max_position_embeddings: int = MISSING
+    """Longest trained context."""
 
 
 @dataclass
 class ModelConfig:
-    backbone: str = "smollm2-135m"  # "smollm2-135m" (embedded), a Hub id, or a local folder
-    dtype: str = "float32"  # weights: float32 | bfloat16 | float16
-    backbone_mode: str = "frozen"  # frozen | lora | full
+    """The backbone and what of it trains."""
+
+    backbone: str = "smollm2-135m"
+    """'smollm2-135m' (embedded), a Hub id, or a local folder."""
+    dtype: str = "float32"
+    """Backbone weights: float32 | bfloat16 | float16 (gates always train in float32)."""
+    backbone_mode: str = "frozen"
+    """frozen (gates only) | lora (gates + LoRA) | full (every weight; the teacher is a frozen copy)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA settings, used when backbone_mode=lora."""
     activation_checkpointing: bool = False
+    """Recompute decoder layers in backward to save activation memory."""
     architecture: Optional[ArchitectureConfig] = None
+    """The backbone's shape for dry runs without a download; None reads the backbone's config."""
 
 
-@dataclass
-class GateConfig:
-    kind: str = "dms"  # dms | trimkv
-    dms: DMSSettings = field(default_factory=DMSSettings)
-    trimkv: TrimKVSettings = field(default_factory=TrimKVSettings)
+def _gate_config() -> type:
+    """The gate section: `kind` plus one settings field per registered gate kind."""
+    fields: list[Any] = [("kind", str, field(default="dms"))]
+    fields += [(name, kind.settings_type, field(default_factory=kind.settings_type)) for name, kind in GATE_KINDS.items()]
+
+    def selected(self) -> Any:
+        """The settings of the selected kind."""
+        return getattr(self, self.kind)
 
     def settings(self) -> dict[str, Any]:
-        return dataclasses.asdict(self.dms if self.kind == "dms" else self.trimkv)
+        """The selected kind's settings as a dict (what attach_gates takes)."""
+        return dataclasses.asdict(self.selected())
+
+    doc = f"Eviction gates: `kind` ({' | '.join(GATE_KINDS)}) selects which of the settings below apply."
+    return dataclasses.make_dataclass("GateConfig", fields, namespace={"selected": selected, "settings": settings, "__doc__": doc})
 
 
-@dataclass
-class DataConfig:
-    source: str = "gsm_symbolic"  # gsm_symbolic | essays | openr1 | hf | files | traces
-    path: Optional[str] = None  # dataset name or local path (openr1, hf, files, traces)
-    split: str = "train"
-    text_column: str = "text"
-    train_samples: int = 256  # rows drawn from the source before packing (-1: all)
-    eval_samples: int = 16
-    max_length: int = 256
-    packing: bool = True
-    chat_template: bool = True
-    mask_prompt: bool = False
-    too_long: str = "truncate"  # truncate | drop
-    streaming: bool = False
-    batch_size: int = 1  # micro-batch per device
-    num_workers: int = 0
+GateConfig = _gate_config()
 
 
 @dataclass
 class LossConfig:
-    kl_direction: str = "reverse"  # forward = KL(teacher || student), reverse = KL(student || teacher)
+    """The retrofit loss: distillation from the original model plus the gate kind's capacity loss."""
+
+    kl_direction: str = "reverse"
+    """forward = KL(teacher || student), reverse = KL(student || teacher)."""
     temperature: float = 1.0
+    """Softens both distributions before the KL (the KL is scaled by temperature**2)."""
     kl_weight: float = 1.0
+    """Weight of the distillation KL."""
     ntp_weight: float = 0.0
+    """Weight of the next-token cross-entropy on the training text."""
     capacity_weight: float = 1.0
-    head_cap: float = 1.0  # DMS: most keys one (layer, KV head) may evict before head_cap_weight penalises it (1: off)
+    """Weight of the capacity loss that pushes eviction up to the scheduled target."""
+    head_cap: float = 1.0
+    """DMS: most keys one (layer, KV head) may evict before head_cap_weight penalises it (1: off)."""
     head_cap_weight: float = 0.0
-    chunk_tokens: int = 1024  # logits rows per chunk of the distillation loss
+    """DMS: weight of the per-head cap penalty."""
+    chunk_tokens: int = 1024
+    """Logit rows per chunk of the distillation loss (bounds full-vocabulary memory)."""
 
 
 @dataclass
 class ScheduleConfig:
+    """Step-indexed schedules: the compression ratio ramp, DMS temperature and neuron fade-out."""
+
     cr_final: float = 4.0
-    steps_per_cr: int = 100  # CR rises linearly by one unit every steps_per_cr steps
-    hold_steps: int = 0  # steps at cr_final after the ramp
-    neuron_warmup_steps: int = 0  # DMS query-neuron fade-out before the ramp starts
-    tau_final: Optional[float] = None  # anneal DMS tau linearly to this over the ramp
+    """Compression ratio the ramp ends at (DMS: eviction target 1 - 1/CR)."""
+    steps_per_cr: int = 100
+    """CR rises linearly by one unit every steps_per_cr steps."""
+    hold_steps: int = 0
+    """Steps at cr_final after the ramp."""
+    neuron_warmup_steps: int = 0
+    """DMS query-neuron fade-out before the ramp starts."""
+    tau_final: Optional[float] = None
+    """Anneal the DMS temperature linearly to this over the ramp (None: constant)."""
 
 
 @dataclass
 class OptimConfig:
+    """AdamW over the trainable parameters."""
+
     lr: float = 3e-5
+    """Peak learning rate."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
     weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
     warmup_steps: int = 0
+    """Linear learning-rate warm-up steps."""
     grad_clip: float = 1.0
+    """Gradient norm clip (DeepSpeed clips through its own config)."""
 
 
 @dataclass
 class TrainerConfig:
     """Lightning Trainer arguments."""
 
-    max_steps: int = -1  # -1: warm-up + ramp + hold
+    max_steps: int = -1
+    """Optimizer steps; -1: neuron warm-up + CR ramp + hold."""
     accelerator: str = "auto"
+    """cpu | gpu | auto."""
     devices: Any = 1
+    """Devices per node (an int or a list of indices)."""
     num_nodes: int = 1
+    """Nodes of a multi-node run."""
     precision: str = "32-true"
+    """Lightning precision: 32-true | bf16-mixed | bf16-true | 16-mixed."""
     accumulate_grad_batches: int = 1
+    """Micro-batches per optimizer step."""
     log_every_n_steps: int = 1
+    """TensorBoard logging interval."""
     val_check_interval: Optional[int] = None
+    """Steps between held-out validations (None: once, at the end)."""
     checkpoint_every_n_steps: int = 50
+    """Steps between Lightning checkpoints (for resume=auto)."""
     enable_progress_bar: bool = True
+    """Show Lightning's progress bar."""
 
 
 @dataclass
 class StrategyConfig:
-    name: str = "auto"  # auto | single | ddp | deepspeed
+    """Distribution: one device, DDP, or DeepSpeed ZeRO."""
+
+    name: str = "auto"
+    """auto | single | ddp | deepspeed."""
     zero_stage: int = 2
+    """DeepSpeed ZeRO stage: 1 | 2 | 3."""
     offload_optimizer: bool = False
+    """DeepSpeed: optimizer state on the host."""
     offload_parameters: bool = False
+    """DeepSpeed ZeRO-3: parameters on the host."""
 
 
 @dataclass
 class RunConfig:
+    """One retrofit run: `python -m train recipe=NAME key=value ...`."""
+
     recipe: str = DEFAULT_RECIPE
+    """The recipe file the run started from (set by the loader)."""
     seed: int = 0
+    """Seeds data order, gate noise and initialisation."""
     output_dir: str = "outputs/${recipe}"
-    resume: str = "never"  # never | auto | a checkpoint path
+    """Run folder: config, TensorBoard logs, resume_state/ (Lightning checkpoints), snapshots/."""
+    resume: str = "never"
+    """never | auto (continue the run in output_dir) | a checkpoint path."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The backbone and what of it trains."""
     gate: GateConfig = field(default_factory=GateConfig)
+    """The gate kind and its settings."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Training text and its held-out split."""
     loss: LossConfig = field(default_factory=LossConfig)
+    """Distillation and capacity loss weights."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """The compression-ratio ramp."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW settings."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Lightning Trainer arguments."""
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
-
-
-def available_recipes(folder: Path = RECIPES_DIR) -> list[str]:
-    """The recipe names in `folder` (training recipes by default; evaluation recipes live in recipes/eval)."""
-    return sorted(p.stem for p in folder.glob("*.yaml"))
+    """Distribution strategy."""
 
 
 def load_recipe(name: str = DEFAULT_RECIPE, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -169,66 +228,11 @@ def load_recipe(name: str = DEFAULT_RECIPE, overrides: list[str] | tuple[str, ..
     return config
 
 
-def load_structured(schema: type, folder: Path, name: str, overrides: list[str] | tuple[str, ...] = ()):
-    """A dataclass `schema` <- folder/NAME.yaml <- `key=value` overrides (the recipe system of training and
-    evaluation alike). The schema's `recipe` field is set to NAME."""
-    recipes = available_recipes(folder)
-    if name not in recipes:
-        raise RecipeError(f"unknown recipe {name!r}; available recipes: {', '.join(recipes)}")
-    merged = _merge(OmegaConf.structured(schema), OmegaConf.load(folder / f"{name}.yaml"), f"recipe {name}")
-    merged.recipe = name
-    for item in overrides:
-        if "=" not in item:
-            raise RecipeError(f"override {item!r} is not key=value (e.g. trainer.max_steps=10)")
-        key = item.split("=", 1)[0]
-        if key == "recipe":
-            raise RecipeError("recipe= must come before the overrides and appear once")
-        merged = _merge(merged, OmegaConf.from_dotlist([item]), f"override {item!r}")
-    try:
-        return OmegaConf.to_object(merged)
-    except OmegaConfBaseException as err:
-        raise RecipeError(f"recipe {name}: {_describe(err)}") from None
-
-
-def _merge(base: DictConfig, update: DictConfig, origin: str) -> DictConfig:
-    try:
-        return OmegaConf.merge(base, update)
-    except (ConfigKeyError, ConfigAttributeError) as err:
-        key = err.full_key or getattr(err, "key", "?")
-        raise RecipeError(f"{origin}: unknown key {key!r}; {_valid_keys_hint(base, str(key))}") from None
-    except ValidationError as err:
-        raise RecipeError(f"{origin}: {_describe(err)}") from None
-
-
-def _valid_keys_hint(config: DictConfig, key: str) -> str:
-    parts = key.split(".")
-    node = config
-    for part in parts[:-1]:
-        if isinstance(node, DictConfig) and part in node and isinstance(node[part], DictConfig):
-            node = node[part]
-        else:
-            break
-    valid = sorted(node.keys()) if isinstance(node, DictConfig) else []
-    close = difflib.get_close_matches(parts[-1], valid, n=1)
-    return (f"did you mean {close[0]!r}? " if close else "") + f"valid keys here: {', '.join(valid)}"
-
-
-def _describe(err: OmegaConfBaseException) -> str:
-    text = str(err).splitlines()[0]
-    key = getattr(err, "full_key", None)
-    return f"key {key!r}: {text}" if key else text
-
-
-def choice(value: Any, valid: tuple, what: str) -> None:
-    if value not in valid:
-        raise RecipeError(f"{what}={value!r} is invalid; valid: {', '.join(map(repr, valid))}")
-
-
 def validate(config: RunConfig) -> None:
     """Reject values that parse but cannot work."""
     choice(config.model.backbone_mode, ("frozen", "lora", "full"), "model.backbone_mode")
     choice(config.model.dtype, ("float32", "bfloat16", "float16"), "model.dtype")
-    choice(config.gate.kind, ("dms", "trimkv"), "gate.kind")
+    choice(config.gate.kind, tuple(GATE_KINDS), "gate.kind")
     choice(config.data.source, ("gsm_symbolic", "essays", "openr1", "hf", "files", "traces"), "data.source")
     choice(config.data.too_long, ("truncate", "drop"), "data.too_long")
     choice(config.loss.kl_direction, ("forward", "reverse"), "loss.kl_direction")
@@ -251,27 +255,13 @@ def validate(config: RunConfig) -> None:
         raise RecipeError(f"optim.lr={config.optim.lr} is invalid; it must be > 0")
     if len(config.optim.betas) != 2 or not all(0 <= b < 1 for b in config.optim.betas):
         raise RecipeError(f"optim.betas={config.optim.betas} is invalid; two values in [0, 1)")
-    if config.gate.kind == "dms":
-        dms = config.gate.dms
-        if dms.window < 0:
-            raise RecipeError(f"gate.dms.window={dms.window} is invalid; it must be >= 0")
-        if dms.window + 1 >= config.data.max_length:
-            raise RecipeError(f"gate.dms.window={dms.window} leaves nothing to evict in sequences of "
-                              f"data.max_length={config.data.max_length}; valid: window <= {config.data.max_length - 2}")
-        choice(dms.source, ("query_neuron", "adapter"), "gate.dms.source")
-        if dms.sinks < 0:
-            raise RecipeError(f"gate.dms.sinks={dms.sinks} is invalid; it must be >= 0")
-        if dms.tau <= 0:
-            raise RecipeError(f"gate.dms.tau={dms.tau} is invalid; it must be > 0")
-    else:
-        trim = config.gate.trimkv
-        choice(trim.decay, ("additive", "multiplicative"), "gate.trimkv.decay")
-        if trim.budget < 1:
-            raise RecipeError(f"gate.trimkv.budget={trim.budget} is invalid; the memory budget M must be >= 1")
-        if not 0 <= trim.sinks < trim.budget:
-            raise RecipeError(f"gate.trimkv.sinks={trim.sinks} is invalid; valid: 0 .. gate.trimkv.budget - 1 = {trim.budget - 1}")
-        if trim.hidden < 1:
-            raise RecipeError(f"gate.trimkv.hidden={trim.hidden} is invalid; it must be >= 1")
+    try:
+        config.gate.selected().validate(prefix=f"gate.{config.gate.kind}.")
+    except GateError as err:
+        raise RecipeError(str(err)) from None
+    if config.gate.kind == "dms" and config.gate.dms.window + 1 >= config.data.max_length:
+        raise RecipeError(f"gate.dms.window={config.gate.dms.window} leaves nothing to evict in sequences of "
+                          f"data.max_length={config.data.max_length}; valid: window <= {config.data.max_length - 2}")
 
 
 def total_steps(config: RunConfig) -> int:

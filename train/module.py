@@ -3,6 +3,8 @@ distillation + capacity loss under an annealed compression ratio."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import time
 
@@ -10,31 +12,19 @@ import lightning as L
 import torch
 
 import models
-from models.gates import GateMode
-from models.trainable import configure_backbone, trainable_parameters
+from models.gates import GateMode, gate_kind
+from models.trainable import trainable_parameters
 from train.config import RunConfig
-from train.losses import (
-    chunked_distillation,
-    dms_capacity_loss,
-    dms_head_cap_loss,
-    trimkv_capacity_loss,
-)
+from train.losses import chunked_distillation
 from train.schedule import schedule_at
 
-SATURATED_EVICTION = 0.98  # a (layer, KV head) evicting more than this share of keys has collapsed
 
-
-def build_gated_model(cfg: RunConfig, tokenizer_too: bool = True):
-    """Backbone + gates + trainable set, as the recipe says."""
-    model, tokenizer = models.load_backbone(cfg.model.backbone, dtype=cfg.model.dtype)
-    models.attach_gates(model, cfg.gate.kind, **cfg.gate.settings())
-    lora = None
-    if cfg.model.backbone_mode == "lora":
-        lora = {k: v for k, v in vars(cfg.model.lora).items()}
-    model = configure_backbone(model, cfg.model.backbone_mode, lora=lora)
-    if cfg.model.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return (model, tokenizer) if tokenizer_too else model
+def build_gated_model(cfg: RunConfig):
+    """Backbone + gates + trainable set, as the recipe says. Returns (model, tokenizer)."""
+    lora = dataclasses.asdict(cfg.model.lora) if cfg.model.backbone_mode == "lora" else None
+    return models.build_gated_model(cfg.model.backbone, cfg.gate.kind, cfg.gate.settings(), dtype=cfg.model.dtype,
+                                    backbone_mode=cfg.model.backbone_mode, lora=lora,
+                                    activation_checkpointing=cfg.model.activation_checkpointing)
 
 
 def causal_lm_parts(model):
@@ -47,13 +37,14 @@ class RetrofitModule(L.LightningModule):
     def __init__(self, cfg: RunConfig, model=None, teacher=None):
         super().__init__()
         self.cfg = cfg
-        self.model = model if model is not None else build_gated_model(cfg, tokenizer_too=False)
+        self.model = model if model is not None else build_gated_model(cfg)[0]
         # a full fine-tune changes the backbone, so the teacher is a separate frozen copy kept outside the
         # module's parameters (and so outside any DeepSpeed engine: ZeRO-3 would otherwise partition it)
         self._teacher = [teacher] if teacher is not None else []
         self.model.train()  # backbones load in eval mode; dropout settings are the model config's
         self.gate_state = models.gate_state(self.model)
-        self._base_tau = self.cfg.gate.dms.tau if cfg.gate.kind == "dms" else None
+        self.kind = gate_kind(cfg.gate.kind)
+        self._base_tau = getattr(cfg.gate.selected(), "tau", None)  # a kind with a temperature anneals it
         self._tokens_seen = 0
         self._clock = None
         self.last_gate_table: dict[str, list] = {}  # per (layer, KV head) statistics of the last step, for summary.json
@@ -71,8 +62,6 @@ class RetrofitModule(L.LightningModule):
                 return self._hidden(self.model, batch)
 
     def _adapters_off(self):
-        import contextlib
-
         return self.model.disable_adapter() if hasattr(self.model, "disable_adapter") else contextlib.nullcontext()
 
     def losses(self, batch, step: int, micro_batch: int = 0, mode: GateMode = GateMode.TRAIN) -> dict[str, torch.Tensor]:
@@ -93,21 +82,9 @@ class RetrofitModule(L.LightningModule):
         kl, nll = chunked_distillation(head, student, teacher, mask, batch["input_ids"], cfg.loss.kl_direction,
                                        cfg.loss.temperature, cfg.loss.chunk_tokens)
         out = {"kl": kl, "nll": nll, "cr_target": torch.tensor(sched.cr)}
-        if cfg.gate.kind == "dms":
-            capacity, achieved = dms_capacity_loss([o["evict_hard"] for o in outputs], batch["attention_mask"],
-                                                   sched.eviction_target)
-            if cfg.loss.head_cap_weight:
-                out["head_cap"] = dms_head_cap_loss([o["evict_hard"] for o in outputs], batch["attention_mask"],
-                                                    cfg.loss.head_cap)
-            out.update(capacity=capacity, evict_fraction=achieved, evict_target=torch.tensor(sched.eviction_target),
-                       uncertain=models.uncertain_decision_share(self.model, batch["attention_mask"]),
-                       saturated_heads=(per_layer["evict_fraction"] > SATURATED_EVICTION).sum().float())
-        else:
-            capacity = trimkv_capacity_loss([o["occupancy"] for o in outputs], batch["attention_mask"],
-                                            cfg.gate.trimkv.budget)
-            occ = torch.stack([o["occupancy"].detach().float().mean() for o in outputs]).mean()
-            out.update(capacity=capacity, occupancy=occ)
-        out["loss"] = cfg.loss.kl_weight * kl + cfg.loss.ntp_weight * nll + cfg.loss.capacity_weight * capacity
+        out.update(self.kind.capacity_terms(outputs, batch["attention_mask"], cfg.gate.selected(),
+                                            sched.eviction_target, cfg.loss))
+        out["loss"] = cfg.loss.kl_weight * kl + cfg.loss.ntp_weight * nll + cfg.loss.capacity_weight * out["capacity"]
         if "head_cap" in out:
             out["loss"] = out["loss"] + cfg.loss.head_cap_weight * out["head_cap"]
         out["per_layer"] = per_layer

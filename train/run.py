@@ -8,9 +8,11 @@ from pathlib import Path
 
 import torch
 
-from train.config import RecipeError, RunConfig, ramp_steps, to_yaml, total_steps
+from recipes import RecipeError
+from train.config import RunConfig, ramp_steps, to_yaml, total_steps
 
 log = logging.getLogger("retrokv.train")
+RESUME_DIR = "resume_state"  # a run's Lightning checkpoints (what resume=auto reads); snapshots/ holds the gates
 
 
 def architecture_config(cfg: RunConfig):
@@ -34,7 +36,7 @@ def dry_run(cfg: RunConfig) -> dict:
     from train.strategy import build_strategy
 
     config = architecture_config(cfg)
-    models.gates.check_architecture(config)
+    models.gating.check_architecture(config)
     if cfg.data.max_length > getattr(config, "max_position_embeddings", cfg.data.max_length):
         raise RecipeError(f"data.max_length={cfg.data.max_length} exceeds the backbone's "
                           f"max_position_embeddings={config.max_position_embeddings}")
@@ -42,8 +44,8 @@ def dry_run(cfg: RunConfig) -> dict:
         model = AutoModelForCausalLM.from_config(config)
     models.attach_gates(model, cfg.gate.kind, **cfg.gate.settings())
     gate_params = sum(p.numel() for n, p in model.named_parameters() if "kv_gate" in n)
-    neurons = sum(len(g.decision_heads) for g in models.model_gates(model)
-                  if getattr(g, "settings", None) is not None and getattr(g.settings, "source", "") == "query_neuron")
+    neurons = sum(len(gate.neuron_indices) for gate in models.model_gates(model))
+    anneals = models.gate_kind(cfg.gate.kind).anneals_cr
     strategy = build_strategy(cfg, cfg.trainer.accelerator)
     report = {
         "recipe": cfg.recipe,
@@ -64,8 +66,8 @@ def dry_run(cfg: RunConfig) -> dict:
         "num_nodes": cfg.trainer.num_nodes,
         "precision": cfg.trainer.precision,
         "steps": total_steps(cfg),
-        "cr_ramp_steps": ramp_steps(cfg) if cfg.gate.kind == "dms" else None,
-        "cr_family": list(range(2, int(cfg.schedule.cr_final) + 1)) if cfg.gate.kind == "dms" else None,
+        "cr_ramp_steps": ramp_steps(cfg) if anneals else None,
+        "cr_family": list(range(2, int(cfg.schedule.cr_final) + 1)) if anneals else None,
         "tokens_per_step": cfg.data.max_length * cfg.data.batch_size * cfg.trainer.accumulate_grad_batches,
     }
     return report
@@ -74,7 +76,7 @@ def dry_run(cfg: RunConfig) -> dict:
 def _check_output_dir(cfg: RunConfig) -> str | None:
     """The checkpoint to resume from, or None; refuses to overwrite an earlier run silently."""
     out = Path(cfg.output_dir)
-    last = out / "checkpoints" / "last.ckpt"
+    last = out / RESUME_DIR / "last.ckpt"
     # a DeepSpeed checkpoint is a folder named like the file of the other strategies
     if cfg.resume == "auto":
         return str(last) if last.exists() else None
@@ -93,8 +95,8 @@ def train(cfg: RunConfig) -> dict:
     from lightning.pytorch.callbacks import LearningRateMonitor
     from lightning.pytorch.loggers import TensorBoardLogger
 
+    from assets import cache_root
     from data import RetrofitDataModule
-    from models.backbone import cache_root
     from train.callbacks import AtomicModelCheckpoint, CRFamilySnapshots
     from train.module import RetrofitModule, build_gated_model
     from train.strategy import build_strategy
@@ -128,7 +130,7 @@ def train(cfg: RunConfig) -> dict:
         num_sanity_val_steps=0,
         logger=TensorBoardLogger(save_dir=str(out), name="tensorboard", version=""),
         callbacks=[
-            AtomicModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=t.checkpoint_every_n_steps,
+            AtomicModelCheckpoint(dirpath=out / RESUME_DIR, every_n_train_steps=t.checkpoint_every_n_steps,
                             save_last=True, save_top_k=-1, filename="step{step:06d}", auto_insert_metric_name=False),
             CRFamilySnapshots(out),
             LearningRateMonitor(logging_interval="step"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, Strategy
 
-from train.config import RecipeError
+from recipes import RecipeError
 
 
 class CPUDeepSpeedStrategy(DeepSpeedStrategy):

@@ -1,13 +1,15 @@
 """`BoundedCache`: a transformers `Cache` whose memory is fixed by a KV budget, with pluggable eviction.
 
-    cache = BoundedCache(model, policy="tova", budget=512)
-    out = model.generate(input_ids, attention_mask=mask, cache=cache, max_new_tokens=128)
-    print(cache.stats())
+    with BoundedCache(model, policy="tova", budget=512) as cache:
+        out = model.generate(input_ids, attention_mask=mask, cache=cache, max_new_tokens=128)
+        print(cache.stats())
 
 The cache routes the model's attention through the engine (an attention function registered with
-transformers): `update` hands the new keys/values to the layer's slots, and the engine's attention reads
-the slots plus the new tokens, then lets the policy evict. Without a bound cache the same attention
-function falls back to the model's usual (gated) attention, so the model keeps working with any cache.
+transformers) and sets the gates to the mode its policy needs; leaving the `with` block (or `close()`)
+restores both. The one channel between the cache and the attention function: `update` hands the new
+keys/values to the layer's slots and marks the attention module with that layer (`_BOUND`); the engine's
+attention takes the mark, reads the slots plus the new tokens, then lets the policy evict. Without a mark
+the same attention function falls back to the model's usual (gated) attention.
 """
 
 from __future__ import annotations
@@ -19,17 +21,12 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.masking_utils import AttentionMaskInterface
 
-from eval.engine.layer import BoundedLayer
-from eval.engine.policies import EngineError, Policy, make_policy
+from eval.engine.layer import BoundedLayer, QuestLayer
+from eval.engine.policies import EngineError, Policy, Quest, make_policy
 from eval.engine.positions import rotary_frequencies
 from models.attention import boolean_causal_mask, gated_attention
-from models.gates import (
-    GateError,
-    check_architecture,
-    decoder_layers,
-    model_gates,
-    set_gate_mode,
-)
+from models.gates import GateError
+from models.gating import check_architecture, decoder_layers, gate_state, model_gates, set_gate_mode
 
 ENGINE_ATTENTION = "retrokv_engine"
 _BOUND = "_retrokv_engine_layer"  # set on an attention module by `update`, consumed by its attention call
@@ -86,8 +83,9 @@ class BoundedCache(Cache):
         that fits is prefilled in one pass).
     gap_compression: TOVA's option for running past the trained length: gaps of more than 10 positions
         between kept tokens shrink to round(ln(ln(gap))), by re-rotating keys and queries.
-    The cache switches the model's gates to the mode its policy needs: inference for DMS and TRIM-KV, off
-    (the original model) for the training-free baselines.
+    The cache switches the model's gates to the mode its policy needs (inference for DMS and TRIM-KV, off,
+    the original model, for the training-free baselines) and its attention to the engine's; `close()` or
+    leaving a `with` block restores both. One cache serves one `generate` call (one batch of prompts).
     """
 
     def __init__(self, model, policy: str | Policy = "tova", budget: int = 512, chunk_size: int | None = None,
@@ -103,14 +101,37 @@ class BoundedCache(Cache):
             raise EngineError(f"chunk_size={chunk_size} is invalid; it must be >= 1")
         self._attention_modules = [layer.self_attn for layer in decoder_layers(model)]
         self._config = model.config
+        inv_freq = rotary_frequencies(model) if gap_compression else None
+        layer_type = QuestLayer if isinstance(self.policy, Quest) else BoundedLayer
+        super().__init__(layers=[layer_type(self.policy, chunk_size, inv_freq) for _ in self._attention_modules])
+        self._model = model
+        self._restore = (model.config._attn_implementation, gate_state(model).mode if model_gates(model) else None)
         if model_gates(model):
             set_gate_mode(model, "infer" if self.policy.gate_kind else "off")
         register_engine_attention()
         model.set_attn_implementation(ENGINE_ATTENTION)
-        inv_freq = rotary_frequencies(model) if gap_compression else None
-        super().__init__(layers=[BoundedLayer(self.policy, chunk_size, inv_freq) for _ in self._attention_modules])
+
+    def close(self) -> None:
+        """Give the model back its attention implementation and gate mode (idempotent)."""
+        if self._model is None:
+            return
+        attention, mode = self._restore
+        self._model.set_attn_implementation(attention)
+        if mode is not None:
+            set_gate_mode(self._model, mode)
+        for module in self._attention_modules:
+            module.__dict__.pop(_BOUND, None)
+        self._model = None
+
+    def __enter__(self) -> "BoundedCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self._model is None:
+            raise EngineError("this BoundedCache was closed; create a new one for another generate call")
         if self._config._attn_implementation != ENGINE_ATTENTION:
             raise EngineError(f"BoundedCache needs the model's attention set to {ENGINE_ATTENTION!r}, but it is "
                               f"{self._config._attn_implementation!r}; do not change it while the cache is in use")
@@ -127,7 +148,7 @@ class BoundedCache(Cache):
         if not first.is_initialized:
             raise EngineError("the cache has not been used yet")
         held = torch.stack([(layer.positions >= 0).sum(-1).float().mean(0) for layer in self.layers])
-        seen = int(first.tokens_seen)
+        seen = int(first.real_tokens.sum())
         return CacheStats(
             policy=self.policy.name, budget=self.policy.budget, slots=first.slots, tokens_seen=seen,
             decode_steps=first.decode_steps, kv_reads=int(sum(layer.decode_reads for layer in self.layers)),
@@ -157,11 +178,11 @@ def engine_attention(module, query, key, value, attention_mask, scaling=None, dr
     gate_values = None
     if gate is not None and gate.active:
         query = gate.mask_query(query)
-        gate_values = gate._current
+        gate_values = gate.current_values
     real = _new_token_real(attention_mask, batch, q_len, query.device)
     positions = kwargs.get("position_ids")
     if positions is None:
-        positions = torch.arange(layer.seen, layer.seen + q_len, device=query.device)
+        positions = torch.arange(layer.length, layer.length + q_len, device=query.device)
     positions = positions.expand(batch, q_len).to(query.device)
     scaling = head_dim**-0.5 if scaling is None else scaling
     out = layer.attend(query, real, positions, scaling, gate_values)

@@ -4,6 +4,10 @@ Slots hold RoPE'd keys, values, the token's true position (-1 = empty) and the p
 A forward's new tokens are attended in chunks: each chunk reads the occupied slots plus its own keys
 (causally), then the policy scores slots and chunk together and the best ones that fit stay. Tokens that
 stay overwrite freed slots in place; nothing is compacted and nothing grows past the slots allocated.
+`QuestLayer` adds Quest's page bounds and its sparse decode step on top.
+
+Counters: `length` is what transformers counts positions from (padding included); `real_tokens` [B] is
+each sequence's real tokens; reads and held tokens are device tensors, read once by `BoundedCache.stats`.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from eval.engine.policies import NEG, POS, Chunk, EngineError, Policy, Quest
+from eval.engine.policies import NEG, POS, Chunk, EngineError, Policy
 from eval.engine.positions import compressed_positions, rotate
 
 
@@ -26,10 +30,9 @@ class BoundedLayer(CacheLayerMixin):
         self.inv_freq = inv_freq  # set: TOVA gap compression re-rotates keys and queries each chunk
         self.slots = policy.capacity()
         self.chunk_size = chunk_size
-        self.seen = 0  # tokens processed, padding included: what transformers counts positions from
+        self.length = 0  # positions processed, padding included: what transformers counts positions from
         self.in_use = 0  # slots [0, in_use) may hold tokens; later ones are still empty and are not read
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.tokens_seen = 0  # real tokens, over the batch
         self.decode_steps = 0
         self.decode_reads = 0
         self.full_cache_reads = 0
@@ -50,12 +53,8 @@ class BoundedLayer(CacheLayerMixin):
         score_dtype = torch.promote_types(key_states.dtype, torch.float32)  # float32 scores, float64 for references
         self.state = {name: torch.full(shape, fill, dtype=score_dtype if dtype.is_floating_point else dtype,
                                        device=self.device) for name, (dtype, fill) in self.policy.state.items()}
-        if isinstance(self.policy, Quest):
-            pages = (batch, kv_heads, self.slots // self.policy.page_size, dim)
-            self.key_min = key_states.new_full(pages, POS)
-            self.key_max = key_states.new_full(pages, NEG)
         self.peak = torch.zeros(kv_heads, dtype=torch.long, device=self.device)
-        self.row_tokens = torch.zeros(batch, dtype=torch.long, device=self.device)  # real tokens seen per sequence
+        self.real_tokens = torch.zeros(batch, dtype=torch.long, device=self.device)  # real tokens seen per sequence
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -69,11 +68,11 @@ class BoundedLayer(CacheLayerMixin):
         return key_states, value_states
 
     def get_seq_length(self) -> int:
-        return self.seen
+        return self.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """The mask covers only the new tokens (their padding and causal order); slots carry their own validity."""
-        return query_length, self.seen
+        return query_length, self.length
 
     def get_max_length(self) -> int:
         return -1  # any length: the policy evicts
@@ -81,7 +80,7 @@ class BoundedLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.is_initialized = False
         self.keys = self.values = None
-        self.seen = self.in_use = self.tokens_seen = self.decode_steps = 0
+        self.length = self.in_use = self.decode_steps = 0
         self.decode_reads = self.full_cache_reads = self.capacity_evictions = 0
         self.query_reads = self.held_integral = 0
 
@@ -98,11 +97,9 @@ class BoundedLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         index = index.to(self.device)
-        self.keys, self.values, self.positions, self.row_tokens = (
-            t.index_select(0, index) for t in (self.keys, self.values, self.positions, self.row_tokens))
+        self.keys, self.values, self.positions, self.real_tokens = (
+            t.index_select(0, index) for t in (self.keys, self.values, self.positions, self.real_tokens))
         self.state = {name: t.index_select(0, index) for name, t in self.state.items()}
-        if isinstance(self.policy, Quest):
-            self.key_min, self.key_max = self.key_min.index_select(0, index), self.key_max.index_select(0, index)
 
     @property
     def query_full_reads(self) -> int:
@@ -110,17 +107,17 @@ class BoundedLayer(CacheLayerMixin):
         reads k keys per KV head."""
         if not self.is_initialized:
             return 0
-        n = self.row_tokens.long()
+        n = self.real_tokens.long()
         return int((n * (n + 1) // 2).sum()) * self.keys.shape[1]
 
     @property
     def bytes_allocated(self) -> int:
         if not self.is_initialized:
             return 0
-        tensors = [self.keys, self.values, self.positions, *self.state.values()]
-        if isinstance(self.policy, Quest):
-            tensors += [self.key_min, self.key_max]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self._stored_tensors())
+
+    def _stored_tensors(self) -> list[torch.Tensor]:
+        return [self.keys, self.values, self.positions, *self.state.values()]
 
     # --- attention --------------------------------------------------------------------------------------
     def attend(self, query: torch.Tensor, new_real: torch.Tensor, positions: torch.Tensor, scaling: float,
@@ -138,37 +135,37 @@ class BoundedLayer(CacheLayerMixin):
             out[:, :, a:b] = self._attend_chunk(query[:, :, a:b], keys[:, :, a:b], values[:, :, a:b],
                                                 positions[:, a:b], new_real[:, a:b],
                                                 None if gate is None else gate[..., a:b], scaling, decode)
-        self.seen += q_len
-        self.tokens_seen += new_real.sum()  # counters stay tensors: no host synchronisation per layer
+        self.length += q_len
         self.decode_steps += int(decode)
         return out
 
-    def _attend_chunk(self, query, keys, values, positions, real, gate, scaling, decode):
+    def _chunk(self, query, positions, real, gate) -> Chunk:
+        """The chunk's tokens next to the occupied slots (the candidates), with the policy's state for both."""
         batch, heads, c, dim = query.shape
-        kv_heads = keys.shape[1]
-        group = heads // kv_heads
+        kv_heads = self.keys.shape[1]
         slots = min(self.in_use + c, self.slots)  # the used slots plus room for this chunk
-        slot_keys, slot_values = self.keys[:, :, :slots], self.values[:, :, :slots]
         positions = positions.to(torch.int32)
         new_pos = torch.where(real, positions, torch.full_like(positions, -1))[:, None].expand(-1, kv_heads, -1)
         cand_pos = torch.cat([self.positions[..., :slots], new_pos], -1)
         cand_ok = cand_pos >= 0
         state = {name: torch.cat([t[..., :slots], torch.full((batch, kv_heads, c), self.policy.state[name][1], dtype=t.dtype,
                                                 device=t.device)], -1) for name, t in self.state.items()}
-        rank = self.row_tokens[:, None] + real.long().cumsum(-1) - 1
-        chunk = Chunk(query=query.view(batch, kv_heads, group, c, dim), positions=positions, real=real, gate=gate,
-                      cand_pos=cand_pos, cand_ok=cand_ok, state=state, num_slots=slots, rank=rank)
+        rank = self.real_tokens[:, None] + real.long().cumsum(-1) - 1
+        chunk = Chunk(query=query.view(batch, kv_heads, heads // kv_heads, c, dim), positions=positions, real=real,
+                      gate=gate, cand_pos=cand_pos, cand_ok=cand_ok, state=state, num_slots=slots, rank=rank)
         if gate is not None:
             self.policy.candidate_state(chunk)
+        self.real_tokens += real.sum(-1)
+        return chunk
 
-        self.row_tokens += real.sum(-1)
-        if decode and isinstance(self.policy, Quest):
-            out = self._quest_decode(chunk, keys, values, scaling)
-            self._retain_one(chunk, self.policy.keep_scores(chunk, None), keys, values)
-            self.in_use = slots
-            self._count_held(real)
-            return out
-
+    def _attend_chunk(self, query, keys, values, positions, real, gate, scaling, decode):
+        batch, heads, c, dim = query.shape
+        kv_heads = keys.shape[1]
+        group = heads // kv_heads
+        chunk = self._chunk(query, positions, real, gate)
+        slots, cand_pos, cand_ok = chunk.num_slots, chunk.cand_pos, chunk.cand_ok
+        positions = chunk.positions
+        slot_keys, slot_values = self.keys[:, :, :slots], self.values[:, :, :slots]
         causal = cand_pos[:, :, None, :] <= positions[:, None, :, None]
         visible = (cand_ok[:, :, None, :] & causal)[:, :, None]  # [B, Hkv, 1, c, N]
         extra = self.policy.visibility(chunk)
@@ -186,11 +183,7 @@ class BoundedLayer(CacheLayerMixin):
         flat_p = probs.to(values.dtype).view(batch, kv_heads, group * c, slots + c)
         out = flat_p[..., :slots] @ slot_values + flat_p[..., slots:] @ values
 
-        reads = (visible.any(2) & real[:, None, :, None]).sum()
-        self.query_reads += reads
-        if decode:
-            self.decode_reads += reads
-            self.full_cache_reads += self.row_tokens.sum() * kv_heads
+        self._count_reads((visible.any(2) & real[:, None, :, None]).sum(), decode)
         score = self.policy.keep_scores(chunk, probs if self.policy.needs_probs else None)
         if c == 1 and self.policy.evict_to() == self.slots:
             self._retain_one(chunk, score, keys, values)
@@ -199,6 +192,13 @@ class BoundedLayer(CacheLayerMixin):
         self.in_use = slots
         self._count_held(real)
         return out.view(batch, heads, c, -1)
+
+    def _count_reads(self, reads: torch.Tensor, decode: bool) -> None:
+        """Keys read by this chunk's real queries; a decode step also counts what a full cache would read."""
+        self.query_reads += reads
+        if decode:
+            self.decode_reads += reads
+            self.full_cache_reads += self.real_tokens.sum() * self.keys.shape[1]
 
     def _count_held(self, real: torch.Tensor) -> None:
         """Add the tokens held after this chunk once per real token in it (memory over time, per KV head)."""
@@ -215,33 +215,6 @@ class BoundedLayer(CacheLayerMixin):
         batch, kv_heads, group, c, dim = chunk.query.shape
         query = rotate(chunk.query, delta[:, :, None, slots:].expand(-1, -1, group, -1), self.inv_freq)
         return query.reshape(batch, kv_heads * group, c, dim), slot_keys, new_keys
-
-    def _quest_decode(self, chunk: Chunk, keys, values, scaling) -> torch.Tensor:
-        """Quest's decode step: each query head gathers and reads only its chosen pages (and the new key)."""
-        batch, kv_heads, group, _, dim = chunk.query.shape
-        page = self.policy.page_size
-        query = chunk.query[:, :, :, 0]  # [B, Hkv, G, D]
-        occupied = (self.positions >= 0).view(batch, kv_heads, -1, page).any(-1)
-        top = self.policy.top_pages(query, self.key_min, self.key_max, occupied)  # [B, Hkv, G, k]
-        tokens = (top[..., None] * page + torch.arange(page, device=top.device)).flatten(-2)  # [B, Hkv, G, k*page]
-        at = tokens[..., None].expand(-1, -1, -1, -1, dim)
-        picked_keys = self.keys[:, :, None].expand(-1, -1, group, -1, -1).gather(3, at)
-        picked_values = self.values[:, :, None].expand(-1, -1, group, -1, -1).gather(3, at)
-        ok = self.positions[:, :, None].expand(-1, -1, group, -1).gather(3, tokens) >= 0
-        dtype = torch.promote_types(query.dtype, torch.float32)
-        scores = torch.cat([(picked_keys @ query[..., None])[..., 0], (query * keys[:, :, None, 0]).sum(-1, keepdim=True)], -1)
-        scores = scores.to(dtype) * scaling
-        scores[..., :-1].masked_fill_(~ok, torch.finfo(dtype).min)
-        probs = scores.softmax(-1).to(values.dtype)
-        out = (probs[..., None, :-1] @ picked_values)[..., 0, :] + probs[..., -1:] * values[:, :, None, 0]
-
-        read_pages = torch.zeros_like(occupied).scatter_(-1, top.flatten(2), True)  # union over the query group
-        read = read_pages.repeat_interleave(page, -1) & (self.positions >= 0)
-        reads = int(read.sum()) + int(chunk.cand_ok[..., -1].sum())
-        self.decode_reads += reads
-        self.query_reads += reads
-        self.full_cache_reads += int(self.row_tokens.sum()) * kv_heads
-        return out.reshape(batch, kv_heads * group, 1, -1)
 
     # --- eviction ----------------------------------------------------------------------------------------
     def _retain_one(self, chunk: Chunk, score: torch.Tensor, keys, values) -> None:
@@ -264,9 +237,7 @@ class BoundedLayer(CacheLayerMixin):
             at = index if stored.dim() == 3 else index[..., None].expand(-1, -1, -1, stored.shape[-1])
             keep_new = write[..., None] if stored.dim() == 3 else write[..., None, None]
             stored.scatter_(2, at, torch.where(keep_new, new, stored.gather(2, at)))
-        if isinstance(self.policy, Quest):
-            b, h = write.nonzero(as_tuple=True)
-            self._update_page_bounds(b, h, index[b, h, 0] // self.policy.page_size, keys[b, h, 0])
+        self._stored_one(write, index, keys)
         self.peak = torch.maximum(self.peak, (self.positions >= 0).sum(-1).max(0).values)
 
     def _overflow(self) -> EngineError:
@@ -311,10 +282,77 @@ class BoundedLayer(CacheLayerMixin):
             self.positions[b, h, s] = chunk.cand_pos[b, h, slots + j]
             for name, t in self.state.items():
                 t[b, h, s] = chunk.state[name][b, h, slots + j]
-            if isinstance(self.policy, Quest):
-                self._update_page_bounds(b, h, s // self.policy.page_size, keys[b, h, j])
+            self._stored(b, h, s, keys[b, h, j])
         held = (self.positions >= 0).sum(-1)
         self.peak = torch.maximum(self.peak, held.max(0).values)
+
+    def _stored(self, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor, key: torch.Tensor) -> None:
+        """Hook: new keys `key` [n, D] were written to (sequence b, KV head h, slot)."""
+
+    def _stored_one(self, write: torch.Tensor, index: torch.Tensor, keys: torch.Tensor) -> None:
+        """Hook: a decode step wrote its new key where `write` [B, Hkv] holds, into slot `index` [B, Hkv, 1]."""
+
+
+class QuestLayer(BoundedLayer):
+    """Quest: the base layer's storage (it evicts nothing) plus element-wise key bounds per page, which a
+    decode step uses to read only the pages that promise the largest scores."""
+
+    def lazy_initialization(self, key_states, value_states):
+        super().lazy_initialization(key_states, value_states)
+        batch, kv_heads, _, dim = key_states.shape
+        pages = (batch, kv_heads, self.slots // self.policy.page_size, dim)
+        self.key_min = key_states.new_full(pages, POS)
+        self.key_max = key_states.new_full(pages, NEG)
+
+    def _select_batch(self, index: torch.Tensor) -> None:
+        super()._select_batch(index)
+        if self.is_initialized:
+            index = index.to(self.device)
+            self.key_min, self.key_max = self.key_min.index_select(0, index), self.key_max.index_select(0, index)
+
+    def _stored_tensors(self) -> list[torch.Tensor]:
+        return super()._stored_tensors() + [self.key_min, self.key_max]
+
+    def _attend_chunk(self, query, keys, values, positions, real, gate, scaling, decode):
+        if not decode:
+            return super()._attend_chunk(query, keys, values, positions, real, gate, scaling, decode)
+        chunk = self._chunk(query, positions, real, gate)
+        out = self._sparse_decode(chunk, keys, values, scaling)
+        self._retain_one(chunk, self.policy.keep_scores(chunk, None), keys, values)
+        self.in_use = chunk.num_slots
+        self._count_held(real)
+        return out
+
+    def _sparse_decode(self, chunk: Chunk, keys, values, scaling) -> torch.Tensor:
+        """Quest's decode step: each query head gathers and reads only its chosen pages (and the new key)."""
+        batch, kv_heads, group, _, dim = chunk.query.shape
+        page = self.policy.page_size
+        query = chunk.query[:, :, :, 0]  # [B, Hkv, G, D]
+        occupied = (self.positions >= 0).view(batch, kv_heads, -1, page).any(-1)
+        top = self.policy.top_pages(query, self.key_min, self.key_max, occupied)  # [B, Hkv, G, k]
+        tokens = (top[..., None] * page + torch.arange(page, device=top.device)).flatten(-2)  # [B, Hkv, G, k*page]
+        at = tokens[..., None].expand(-1, -1, -1, -1, dim)
+        picked_keys = self.keys[:, :, None].expand(-1, -1, group, -1, -1).gather(3, at)
+        picked_values = self.values[:, :, None].expand(-1, -1, group, -1, -1).gather(3, at)
+        ok = self.positions[:, :, None].expand(-1, -1, group, -1).gather(3, tokens) >= 0
+        dtype = torch.promote_types(query.dtype, torch.float32)
+        scores = torch.cat([(picked_keys @ query[..., None])[..., 0], (query * keys[:, :, None, 0]).sum(-1, keepdim=True)], -1)
+        scores = scores.to(dtype) * scaling
+        scores[..., :-1].masked_fill_(~ok, torch.finfo(dtype).min)
+        probs = scores.softmax(-1).to(values.dtype)
+        out = (probs[..., None, :-1] @ picked_values)[..., 0, :] + probs[..., -1:] * values[:, :, None, 0]
+
+        read_pages = torch.zeros_like(occupied).scatter_(-1, top.flatten(2), True)  # union over the query group
+        read = read_pages.repeat_interleave(page, -1) & (self.positions >= 0)
+        self._count_reads(read.sum() + chunk.cand_ok[..., -1].sum(), decode=True)
+        return out.reshape(batch, kv_heads * group, 1, -1)
+
+    def _stored(self, b, h, slot, key) -> None:
+        self._update_page_bounds(b, h, slot // self.policy.page_size, key)
+
+    def _stored_one(self, write, index, keys) -> None:
+        b, h = write.nonzero(as_tuple=True)
+        self._update_page_bounds(b, h, index[b, h, 0] // self.policy.page_size, keys[b, h, 0])
 
     def _update_page_bounds(self, b, h, page, key) -> None:
         _, kv_heads, pages, dim = self.key_min.shape

@@ -18,6 +18,8 @@ from typing import ClassVar
 
 import torch
 
+from models.gates import dms, trimkv
+
 NEG, POS = float("-inf"), float("inf")
 
 
@@ -181,12 +183,12 @@ class TOVA(Policy):
 
 
 class DMS(Policy):
-    """The gated model's own hard DMS decisions: a key marked for eviction (by the next token's gate, the
-    one-token shift) stays readable for `window` more steps and then frees its slot.
+    """The gated model's own hard DMS decisions (models.gates.dms): a key marked for eviction (by the next
+    token's gate, the one-token shift) stays readable for `window` more steps and then frees its slot.
 
     Slots = budget + window. The budget is the memory cap the run reports against, not a rule: if the model
     keeps more tokens than fit, the engine evicts the most eviction-prone ones outside the window and counts
-    them in `stats().forced_evictions`. The model's `sinks` first tokens are never evicted.
+    them in `stats().capacity_evictions`. The model's `sinks` first tokens are never evicted.
     """
 
     name = "dms"
@@ -197,7 +199,7 @@ class DMS(Policy):
     def bind(self, model, budget):
         super().bind(model, budget)
         settings = _gate_settings(model, "dms")
-        self.window, self.sink_count = int(settings["window"]), _sinks_within(settings, budget)
+        self.window, self.sink_count = settings.window, _sinks_within("dms", settings, budget)
 
     def capacity(self):
         return self.budget + self.window
@@ -210,22 +212,22 @@ class DMS(Policy):
         first = torch.where(chunk.real[:, :1], logit[..., 0], torch.full_like(logit[..., 0], NEG))
         pending = ~st["decided"][..., :s] & chunk.cand_ok[..., :s]
         has_first = chunk.real[:, None, :1].expand_as(pending)
-        st["evict"][..., :s] |= pending & has_first & (first[..., None] > 0)
+        st["evict"][..., :s] |= pending & has_first & dms.evicts(first[..., None])
         st["logit"][..., :s] = torch.where(pending & has_first, first[..., None].expand_as(pending), st["logit"][..., :s])
         st["decided"][..., :s] |= pending & has_first
         # inside the chunk: key j is decided by token j + 1; the last waits for the next forward
-        shifted = torch.cat([logit[..., 1:], torch.zeros_like(logit[..., :1])], -1)
+        shifted = dms.shift(logit, 0.0)
         decided = torch.zeros_like(chunk.cand_ok[..., s:])
         decided[..., : c - 1] = True
-        st["evict"][..., s:] = decided & (shifted > 0)
+        st["evict"][..., s:] = decided & dms.evicts(shifted)
         st["logit"][..., s:] = torch.where(decided, shifted, torch.zeros_like(shifted))
         st["decided"][..., s:] = decided
         chunk.mark_sinks(self.sink_count)
         st["evict"] &= ~st["sink"]
 
     def visibility(self, chunk):
-        gone = chunk.state["evict"][:, :, None, :] & (chunk.query_pos - chunk.cand_pos[:, :, None, :] > self.window)
-        return ~gone[:, :, None]
+        distance = chunk.query_pos - chunk.cand_pos[:, :, None, :]  # [B, Hkv, c, N]
+        return dms.hard_visible(chunk.state["evict"], distance, self.window)[:, :, None]
 
     def keep_scores(self, chunk, probs):
         age_next = chunk.now + 1 - chunk.cand_pos
@@ -236,7 +238,8 @@ class DMS(Policy):
 
 
 class TrimKV(Policy):
-    """TRIM-KV: per KV head, the `budget` tokens with the highest retention score log beta_i * (t - i).
+    """TRIM-KV (models.gates.trimkv): per KV head, the `budget` tokens with the highest retention score
+    log beta_i * (t - i).
 
     Each query reads the top-budget candidates at its own step; after the chunk the top-budget at the last
     step stay. With `burst` > 0 the slots take `burst` more tokens before one batched eviction back to the
@@ -252,7 +255,7 @@ class TrimKV(Policy):
 
     def bind(self, model, budget):
         super().bind(model, budget)
-        self.sink_count = _sinks_within(_gate_settings(model, "trimkv"), budget)
+        self.sink_count = _sinks_within("trimkv", _gate_settings(model, "trimkv"), budget)
         if self.burst < 0:
             raise EngineError(f"trimkv burst={self.burst} is invalid; it must be >= 0")
 
@@ -263,22 +266,18 @@ class TrimKV(Policy):
         chunk.state["log_beta"][..., chunk.num_slots:] = chunk.gate
         chunk.mark_sinks(self.sink_count)
 
-    def _score(self, chunk, at: torch.Tensor) -> torch.Tensor:
-        age = (at - chunk.cand_pos[:, :, None, :]).clamp(min=0).float()
-        score = chunk.state["log_beta"][:, :, None, :] * age
-        return score.masked_fill(chunk.state["sink"][:, :, None, :], POS)
-
     def visibility(self, chunk):
         if self.burst:
             return None
-        causal = chunk.cand_pos[:, :, None, :] <= chunk.query_pos
-        score = self._score(chunk, chunk.query_pos).masked_fill(~(causal & chunk.cand_ok[:, :, None, :]), NEG)
-        k = min(self.budget, score.shape[-1])
-        keep = torch.zeros_like(causal).scatter_(-1, score.topk(k, dim=-1).indices, True)
+        distance = chunk.query_pos - chunk.cand_pos[:, :, None, :]  # [B, Hkv, c, N]
+        valid = (distance >= 0) & chunk.cand_ok[:, :, None, :]
+        keep = trimkv.topk_visible(chunk.state["log_beta"], valid, distance, self.budget, pinned=chunk.state["sink"])
         return keep[:, :, None]
 
     def keep_scores(self, chunk, probs):
-        return self._score(chunk, chunk.now[:, :, :, None])[:, :, 0]
+        distance = chunk.now[:, :, :, None] - chunk.cand_pos[:, :, None, :]  # [B, Hkv, 1, N]
+        score = trimkv.retention_score(chunk.state["log_beta"], distance)[:, :, 0]
+        return score.masked_fill(chunk.state["sink"], POS)
 
     def evict_to(self):
         return self.budget
@@ -336,19 +335,21 @@ def make_policy(policy: str | Policy) -> Policy:
     return POLICIES[policy]()
 
 
-def _gate_settings(model, kind: str) -> dict:
-    settings = getattr(model.config, "retrokv", None)
-    if not settings or settings.get("kind") != kind:
-        have = settings.get("kind") if settings else "no gates"
+def _gate_settings(model, kind: str):
+    """The typed settings of the model's gates, which must be of `kind`."""
+    from models import model_gates
+
+    gates = model_gates(model)
+    have = model.config.retrokv["kind"] if gates else "no gates"
+    if have != kind:
         raise EngineError(f"the {kind} policy needs a model with {kind} gates (models.attach_gates or a "
                           f"checkpoint snapshot); this model has {have}")
-    return settings
+    return gates[0].settings
 
 
-def _sinks_within(settings: dict, budget: int) -> int:
+def _sinks_within(kind: str, settings, budget: int) -> int:
     """The model's sink count, which must leave room in the budget (sinks are kept inside it)."""
-    sinks = int(settings.get("sinks", 0))
-    if sinks >= budget:
-        raise EngineError(f"{settings['kind']} budget={budget} does not exceed the model's {sinks} sinks; "
-                          f"valid: budget >= {sinks + 1}")
-    return sinks
+    if settings.sinks >= budget:
+        raise EngineError(f"{kind} budget={budget} does not exceed the model's {settings.sinks} sinks; "
+                          f"valid: budget >= {settings.sinks + 1}")
+    return settings.sinks

@@ -1,0 +1,38 @@
+"""Snapshot metadata: a typed schema that names the file and the bad key."""
+
+import json
+
+import pytest
+
+from checkpoints import SnapshotError, SnapshotMeta, read_meta
+
+
+def write_meta(folder, values) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "retrokv.json").write_text(json.dumps(values))
+
+
+def test_metadata_round_trips_and_old_snapshots_get_no_sinks(tmp_path):
+    meta = SnapshotMeta(backbone="smollm2-135m", gate_kind="dms", gate_settings={"window": 16, "sinks": 4}, cr=3.0,
+                        step=50, config={"seed": 1})
+    write_meta(tmp_path / "new", meta.to_json())
+    assert read_meta(tmp_path / "new") == meta
+    write_meta(tmp_path / "old", {"backbone": "b", "gate_kind": "trimkv", "gate_settings": {"budget": 8}})
+    assert read_meta(tmp_path / "old").gate_settings == {"sinks": 0, "budget": 8}
+
+
+@pytest.mark.parametrize("values,message", [
+    ([1, 2], r"holds a JSON list, not the snapshot metadata"),
+    ("dms", r"holds a JSON str"),
+    ({}, r"lacks \['backbone', 'gate_kind', 'gate_settings'\]"),
+    ({"backbone": "b", "gate_kind": "dms", "gate_settings": {"budget": 8}}, r"unknown dms gate setting\(s\) \['budget'\]"),
+    ({"backbone": "b", "gate_kind": "h2o", "gate_settings": {}}, r"unknown gate kind 'h2o'"),
+    ({"backbone": "b", "gate_kind": "dms", "gate_settings": {"window": -3}}, r"dms window=-3 is invalid"),
+    ({"backbone": "b", "gate_kind": "dms", "gate_settings": {}, "cr": "4"}, r"cr='4' is invalid; expected an integer or a number"),
+    ({"backbone": 7, "gate_kind": "dms", "gate_settings": {}}, r"backbone=7 is invalid; expected a string"),
+])
+def test_junk_metadata_is_named(tmp_path, values, message):
+    write_meta(tmp_path, values)
+    with pytest.raises(SnapshotError, match=message) as err:
+        read_meta(tmp_path)
+    assert str(tmp_path / "retrokv.json") in str(err.value)
