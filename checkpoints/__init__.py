@@ -6,8 +6,9 @@ from checkpoints.snapshot import (
     list_snapshots,
     load_snapshot,
     read_meta,
+    recover_snapshots,
     save_snapshot,
     trained_tensors,
 )
 
-__all__ = ["SnapshotError", "SnapshotMeta", "list_snapshots", "load_snapshot", "read_meta", "save_snapshot", "trained_tensors"]
+__all__ = ["SnapshotError", "SnapshotMeta", "list_snapshots", "load_snapshot", "read_meta", "recover_snapshots", "save_snapshot", "trained_tensors"]

@@ -50,6 +50,8 @@ class SnapshotMeta:
     """The training recipe's name."""
     config: dict = dataclasses.field(default_factory=dict)
     """The whole resolved run config (provenance; its data section names the held-out split)."""
+    backbone_fingerprint: Optional[str] = None
+    """models.backbone.weights_fingerprint of the base weights; loading checks it when present."""
 
     @classmethod
     def from_json(cls, values: Any, source: str | Path) -> "SnapshotMeta":
@@ -67,7 +69,7 @@ class SnapshotMeta:
         known = {k: v for k, v in values.items() if k in fields}
         for name, value in known.items():
             expected = _JSON_TYPES[name]
-            if value is not None and not isinstance(value, expected) or (value is None and name != "lora"):
+            if value is not None and not isinstance(value, expected) or (value is None and name not in _OPTIONAL):
                 raise SnapshotError(f"{source}: {name}={value!r} is invalid; expected {_type_names(expected)}")
         settings = {"sinks": 0, **known["gate_settings"]}  # written before attention sinks existed: none
         try:
@@ -81,7 +83,11 @@ class SnapshotMeta:
 
 
 _JSON_TYPES = {"backbone": str, "gate_kind": str, "gate_settings": dict, "backbone_mode": str, "dtype": str,
-               "lora": dict, "cr": (int, float), "step": int, "recipe": str, "config": dict}
+               "lora": dict, "cr": (int, float), "step": int, "recipe": str, "config": dict,
+               "backbone_fingerprint": str}
+
+
+_OPTIONAL = ("lora", "backbone_fingerprint")
 
 
 def _type_names(expected) -> str:
@@ -103,19 +109,59 @@ def trained_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_snapshot(tensors: dict[str, torch.Tensor], folder: str | Path, meta: SnapshotMeta) -> Path:
-    """Write `tensors` (see trained_tensors) and `meta` as a snapshot folder, atomically."""
+    """Write `tensors` (see trained_tensors) and `meta` as a snapshot folder, atomically: written to a staging
+    folder, the old snapshot renamed aside, the new one renamed in, the old one removed. A kill at any point
+    leaves the old or the new snapshot (see recover_snapshots). Non-finite tensors are refused."""
     folder = Path(folder)
+    bad = [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise SnapshotError(f"refusing to write {folder}: {len(bad)} tensor(s) hold NaN or infinite values, e.g. {bad[:3]}")
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    aside = _aside(folder)
     try:
         save_file(tensors, str(staging / WEIGHTS))
         (staging / META).write_text(json.dumps(meta.to_json(), indent=2, sort_keys=True, default=str))
+        _apply_umask(staging)
+        shutil.rmtree(aside, ignore_errors=True)
         if folder.exists():
-            shutil.rmtree(folder)
+            os.replace(folder, aside)
         os.replace(staging, folder)
+        shutil.rmtree(aside, ignore_errors=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+def recover_snapshots(root: str | Path) -> None:
+    """Finish what a killed save_snapshot left in `root`: a snapshot renamed aside whose replacement never
+    arrived goes back in place; staging folders and replaced snapshots are removed."""
+    root = Path(root)
+    for aside in root.glob(f".*{_ASIDE}"):
+        target = root / aside.name[1:-len(_ASIDE)]
+        if target.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(aside, target)
+    for staging in root.glob(".*-*"):
+        if staging.is_dir():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+_ASIDE = ".replaced"
+
+
+def _aside(folder: Path) -> Path:
+    return folder.parent / f".{folder.name}{_ASIDE}"
+
+
+def _apply_umask(folder: Path) -> None:
+    """mkdtemp and safetensors create owner-only modes; give the folder and its files the user's usual ones."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for path in folder.iterdir():
+        os.chmod(path, 0o666 & ~umask)
 
 
 def read_meta(folder: str | Path) -> "SnapshotMeta":
@@ -136,6 +182,11 @@ def load_snapshot(folder: str | Path, dtype: str | None = None, device: str = "c
     meta = read_meta(folder)
     model, tokenizer = build_gated_model(meta.backbone, meta.gate_kind, meta.gate_settings, dtype=dtype or meta.dtype,
                                          device=device, backbone_mode=meta.backbone_mode, lora=meta.lora)
+    loaded = model.config.retrokv.get("backbone_fingerprint")
+    if meta.backbone_fingerprint and loaded != meta.backbone_fingerprint:
+        raise SnapshotError(f"{folder} was trained on backbone {meta.backbone!r} with weights fingerprint "
+                            f"{meta.backbone_fingerprint}, but that name now loads weights with fingerprint {loaded}: a "
+                            "different model or revision; load the snapshot on the weights it was trained on")
     try:
         tensors = load_file(str(Path(folder) / WEIGHTS), device=device)
     except Exception as err:  # safetensors raises several types for truncated or garbled files
@@ -144,6 +195,15 @@ def load_snapshot(folder: str | Path, dtype: str | None = None, device: str = "c
     unknown = sorted(set(tensors) - set(params))
     if unknown:
         raise SnapshotError(f"{folder} holds tensors this model does not have, e.g. {unknown[:3]}")
+    needed = sorted(name for name, p in params.items() if p.requires_grad)  # what the run trained and saved
+    missing = [name for name in needed if name not in tensors]
+    if missing:
+        raise SnapshotError(f"{Path(folder) / WEIGHTS} lacks {len(missing)} of the {len(needed)} tensors that "
+                            f"{meta.gate_kind} gates on a {meta.backbone_mode} backbone need, e.g. {missing[:3]}")
+    bad = [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise SnapshotError(f"{Path(folder) / WEIGHTS} holds NaN or infinite values in {len(bad)} tensor(s), "
+                            f"e.g. {bad[:3]}; the run that wrote it diverged")
     with torch.no_grad():
         for name, value in tensors.items():
             if params[name].shape != value.shape:

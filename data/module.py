@@ -5,6 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import datasets
@@ -46,6 +49,22 @@ def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
     return {key: torch.tensor([r[key] for r in rows]) for key in ("input_ids", "attention_mask", "loss_mask")}
 
 
+def local_content_fingerprint(path: str | None) -> str | None:
+    """A hash of the bytes (and names) of a local data file or folder, so that editing a file prepares the
+    data again; None for dataset names and packaged sources."""
+    if not path or not Path(path).exists():
+        return None
+    root = Path(path)
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(str(file.relative_to(root) if file != root else file.name).encode())
+        with open(file, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
+
+
 class RetrofitDataModule(L.LightningDataModule):
     def __init__(self, data_cfg, tokenizer, seed: int, cache_dir: str | Path):
         super().__init__()
@@ -59,7 +78,8 @@ class RetrofitDataModule(L.LightningDataModule):
                                                      "eval_samples", "max_length", "packing", "chat_template",
                                                      "mask_prompt", "too_long")}
         blob = json.dumps({**fields, "seed": self.seed, "tokenizer": self.tokenizer.name_or_path,
-                           "format": PREPARED_FORMAT}, sort_keys=True)
+                           "format": PREPARED_FORMAT, "content": local_content_fingerprint(self.cfg.path)},
+                          sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def prepare_data(self) -> None:
@@ -70,11 +90,20 @@ class RetrofitDataModule(L.LightningDataModule):
         raw = load_source(self.cfg, self.seed, total)
         n_eval = min(self.cfg.eval_samples, max(len(raw) - 1, 0))
         splits = {"eval": raw.select(range(n_eval)), "train": raw.select(range(n_eval, len(raw)))}
-        staging = folder.with_suffix(".tmp")
-        for name in ("eval", "train"):
-            if len(splits[name]) or name == "train":
-                prepare(splits[name], self.tokenizer, self.cfg, name).save_to_disk(str(staging / name))
-        staging.rename(folder)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        # a staging folder of its own: runs preparing the same data at once each finish, the first rename wins
+        staging = Path(tempfile.mkdtemp(prefix=f"{folder.name}.tmp-", dir=folder.parent))
+        try:
+            for name in ("eval", "train"):
+                if len(splits[name]) or name == "train":
+                    prepare(splits[name], self.tokenizer, self.cfg, name).save_to_disk(str(staging / name))
+            try:
+                os.rename(staging, folder)
+            except OSError:
+                if not (folder / "train").is_dir():  # not another run's finished preparation: a real failure
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
     def setup(self, stage: str | None = None) -> None:
         folder = self.cache_dir / self._cache_key()

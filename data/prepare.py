@@ -72,7 +72,8 @@ def padded_row(ids: list[int], loss: list[int], max_length: int, pad_id: int) ->
     return {"input_ids": ids + [pad_id] * pad, "loss_mask": loss + [0] * pad, "attention_mask": [1] * len(ids) + [0] * pad}
 
 
-def pack_or_pad(ds: datasets.Dataset, max_length: int, packing: bool, too_long: str, eos_id: int, pad_id: int):
+def pack_or_pad(ds: datasets.Dataset, max_length: int, packing: bool, too_long: str, eos_id: int, pad_id: int,
+                split: str = "train"):
     """Returns (dataset of fixed-length rows, counts). Packing joins whole documents, EOS after each, and
     starts every row at a document start (see pack_documents)."""
     lengths = ds["input_ids"]
@@ -84,8 +85,8 @@ def pack_or_pad(ds: datasets.Dataset, max_length: int, packing: bool, too_long: 
         ds = ds.map(lambda r: {k: r[k][:limit] for k in ("input_ids", "loss_mask")}, desc="truncate")
     counts = {"too_long": over, "dropped": over if too_long == "drop" else 0, "truncated": over if too_long == "truncate" else 0}
     if len(ds) == 0:
-        raise DataError(f"no rows are left after too_long={too_long!r} with max_length={max_length}; raise "
-                        "data.max_length or use data.too_long=truncate")
+        raise DataError(f"no rows are left in the {split} split after data.too_long={too_long!r} with data.max_length="
+                        f"{max_length}; raise data.max_length or use data.too_long=truncate")
     if packing:
         rows = pack_documents(ds, max_length, eos_id, pad_id)
         counts["padding"] = sum(max_length - sum(r["attention_mask"]) for r in rows)
@@ -104,7 +105,7 @@ def prepare(raw: datasets.Dataset, tokenizer, cfg, name: str) -> datasets.Datase
     tokens = tokenize(render(raw, tokenizer, cfg.chat_template), tokenizer, cfg.mask_prompt)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    packed, counts = pack_or_pad(tokens, cfg.max_length, cfg.packing, cfg.too_long, eos, pad)
+    packed, counts = pack_or_pad(tokens, cfg.max_length, cfg.packing, cfg.too_long, eos, pad, name)
     log.info("data %s: rows in %d, rows kept %d (too long %d: %s), tokens %d, %s sequences %d (padding %d)", name,
              rows_in, rows_in - counts["dropped"], counts["too_long"], cfg.too_long, counts["tokens"],
              "packed" if cfg.packing else "padded", counts["sequences"], counts.get("padding", 0))

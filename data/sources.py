@@ -72,12 +72,19 @@ def essays(num_rows: int, seed: int, chars_per_row: int = 4000) -> datasets.Data
     return ds.select(range(min(num_rows, len(ds)))) if num_rows > 0 else ds
 
 
-def hf_dataset(path: str, split: str, text_column: str, streaming: bool, num_rows: int) -> datasets.Dataset:
-    """Any `load_dataset` name or local folder, or local .jsonl/.json/.parquet/.txt/.csv files."""
+def hf_dataset(path: str, split: str, text_column: str, streaming: bool, num_rows: int,
+               local_only: bool = False) -> datasets.Dataset:
+    """Any `load_dataset` name or local folder, or local .jsonl/.json/.parquet/.txt/.csv files
+    (`local_only`: the path must exist here)."""
     if not path:
         raise DataError("data.path is required for data.source=hf/files (a dataset name, folder or file)")
+    if local_only and not Path(path).exists():
+        raise DataError(f"data.path={path!r} does not exist; data.source=files reads a local file or folder "
+                        "(.jsonl/.json/.parquet/.txt/.csv)")
     builder, files = local_files_builder(path)
-    ds = datasets.load_dataset(builder, data_files=files, split=split) if builder else datasets.load_dataset(path, split=split, streaming=streaming)
+    if builder and all(Path(f).stat().st_size == 0 for f in files):
+        raise DataError(f"data.path={path!r} holds no rows: {'the file is' if len(files) == 1 else 'its files are'} empty")
+    ds = _load(path, builder, files, split, streaming)
     if streaming and num_rows > 0:
         ds = datasets.Dataset.from_list(list(ds.take(num_rows)))
     column = "text" if builder == "text" else text_column
@@ -85,7 +92,28 @@ def hf_dataset(path: str, split: str, text_column: str, streaming: bool, num_row
         raise DataError(f"data.text_column={column!r} is not a column of {path}; columns: {ds.column_names}")
     if column != "text":
         ds = ds.rename_column(column, "text")
+    if not streaming and len(ds) == 0:
+        raise DataError(f"data.path={path!r} holds no rows (an empty file or folder); give it some text")
     return ds.select_columns(["text"])
+
+
+def _load(path: str, builder: str | None, files: list[str] | None, split: str, streaming: bool):
+    """load_dataset on local files (builder) or a dataset name, with one line saying what went wrong."""
+    try:
+        if builder:
+            return datasets.load_dataset(builder, data_files=files, split=split)
+        return datasets.load_dataset(path, split=split, streaming=streaming)
+    except DataError:
+        raise
+    except Exception as err:  # datasets raises many types: generation errors, offline hub errors, bad splits
+        cause = err.__cause__ or err
+        reason = " ".join(str(cause).split())[:300] or type(cause).__name__
+        if builder:
+            hint = {"json": "each line of a .jsonl file must be one JSON object", "text": "text files must be UTF-8",
+                    "csv": "a .csv file needs a header row", "parquet": "a .parquet file must be a Parquet table"}[builder]
+            raise DataError(f"cannot read {path} as {builder}: {reason} ({hint})") from None
+        raise DataError(f"cannot load dataset {path!r} (split {split!r}): {reason}. Offline, only local files, "
+                        "folders and datasets already in the cache load; data.source=files reads a local path") from None
 
 
 def local_files_builder(path: str) -> tuple[str | None, list[str] | None]:
@@ -108,8 +136,7 @@ def openr1(path: str, split: str, streaming: bool, num_rows: int) -> datasets.Da
     from math_verify import parse, verify
 
     builder, files = local_files_builder(path or "open-r1/OpenR1-Math-220k")
-    ds = (datasets.load_dataset(builder, data_files=files, split=split) if builder
-          else datasets.load_dataset(path or "open-r1/OpenR1-Math-220k", split=split, streaming=streaming))
+    ds = _load(path or "open-r1/OpenR1-Math-220k", builder, files, split, streaming)
     if streaming and num_rows > 0:
         ds = datasets.Dataset.from_list(list(ds.take(num_rows)))
     missing = {"problem", "generations", "answer"} - set(ds.column_names)
@@ -134,7 +161,11 @@ def traces(path: str) -> datasets.Dataset:
     """Teacher-generated traces written by `python -m data traces` (data.traces)."""
     if not path or not Path(path).is_dir():
         raise DataError(f"data.path={path!r} must be a folder written by `python -m data traces`")
-    return datasets.load_from_disk(path)
+    try:
+        return datasets.load_from_disk(path)
+    except FileNotFoundError:
+        raise DataError(f"data.path={path!r} is a folder but not a saved dataset; data.source=traces reads a folder "
+                        "written by `python -m data traces`") from None
 
 
 def load_source(cfg, seed: int, num_rows: int) -> datasets.Dataset:
@@ -144,7 +175,7 @@ def load_source(cfg, seed: int, num_rows: int) -> datasets.Dataset:
     elif cfg.source == "essays":
         ds = essays(num_rows, seed)
     elif cfg.source in ("hf", "files"):
-        ds = hf_dataset(cfg.path, cfg.split, cfg.text_column, cfg.streaming, num_rows)
+        ds = hf_dataset(cfg.path, cfg.split, cfg.text_column, cfg.streaming, num_rows, local_only=cfg.source == "files")
     elif cfg.source == "openr1":
         ds = openr1(cfg.path, cfg.split, cfg.streaming, num_rows)
     elif cfg.source == "traces":

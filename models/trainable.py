@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from models.backbone import load_backbone
+from models.backbone import load_backbone, weights_fingerprint
 from models.gates import GateError, KVGate
 from models.gating import attach_gates, decoder_layers, model_gates
 
@@ -65,9 +65,11 @@ def build_gated_model(backbone: str, gate_kind: str, gate_settings: dict, *, dty
                       device: str = "cpu", backbone_mode: BackboneMode = "frozen", lora: dict | None = None,
                       activation_checkpointing: bool = False):
     """Backbone + gates + trainable set: how training builds its model and how a snapshot is rebuilt.
-    Returns (model, tokenizer)."""
+    Returns (model, tokenizer); `model.config.retrokv["backbone_fingerprint"]` identifies the base weights."""
     model, tokenizer = load_backbone(backbone, dtype=dtype, device=device)
+    fingerprint = weights_fingerprint(model)  # of the base weights, before anything trains
     attach_gates(model, gate_kind, **gate_settings)
+    model.config.retrokv["backbone_fingerprint"] = fingerprint
     model = configure_backbone(model, backbone_mode, lora=lora)
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -11,6 +11,7 @@ import difflib
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
@@ -32,7 +33,7 @@ def load_structured(schema: type, folder: Path, name: str, overrides: list[str] 
     recipes = available_recipes(folder)
     if name not in recipes:
         raise RecipeError(f"unknown recipe {name!r}; available recipes: {', '.join(recipes)}")
-    merged = _merge(OmegaConf.structured(schema), OmegaConf.load(folder / f"{name}.yaml"), f"recipe {name}")
+    merged = _merge(OmegaConf.structured(schema), _read_recipe(folder / f"{name}.yaml"), f"recipe {name}")
     merged.recipe = name
     for item in overrides:
         if "=" not in item:
@@ -45,6 +46,19 @@ def load_structured(schema: type, folder: Path, name: str, overrides: list[str] 
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise RecipeError(f"recipe {name}: {_describe(err)}") from None
+
+
+def _read_recipe(path: Path) -> DictConfig:
+    """A recipe file's mapping of settings, or a RecipeError naming the file and what is wrong with it."""
+    try:
+        loaded = OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        raise RecipeError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from None
+    if not isinstance(loaded, DictConfig):
+        raise RecipeError(f"{path} holds a YAML list; a recipe is a mapping of settings (e.g. `optim: {{lr: 1e-4}}`)")
+    if not loaded:
+        raise RecipeError(f"{path} is empty; a recipe holds at least one setting")
+    return loaded
 
 
 def _merge(base: DictConfig, update: DictConfig, origin: str) -> DictConfig:

@@ -31,8 +31,12 @@ def test_metadata_round_trips_and_old_snapshots_get_no_sinks(tmp_path):
     ({"backbone": "b", "gate_kind": "dms", "gate_settings": {}, "cr": "4"}, r"cr='4' is invalid; expected an integer or a number"),
     ({"backbone": 7, "gate_kind": "dms", "gate_settings": {}}, r"backbone=7 is invalid; expected a string"),
 ])
-def test_junk_metadata_is_named(tmp_path, values, message):
+def test_junk_metadata_is_named(tmp_path, values, message, capsys):
     write_meta(tmp_path, values)
     with pytest.raises(SnapshotError, match=message) as err:
         read_meta(tmp_path)
     assert str(tmp_path / "retrokv.json") in str(err.value)
+    from checkpoints.__main__ import main
+
+    assert main(["show", str(tmp_path)]) == 2
+    assert str(tmp_path / "retrokv.json") in capsys.readouterr().err

@@ -52,6 +52,34 @@ def test_local_text_files_and_missing_column(tmp_path):
     assert txt["text"] == ["line one", "line two"]
 
 
+@pytest.mark.parametrize("source,name,content,message", [
+    ("files", "empty.jsonl", b"", r"empty.jsonl' holds no rows: the file is empty"),
+    ("files", "empty.txt", b"", r"empty.txt' holds no rows: the file is empty"),
+    ("files", "missing.txt", None, r"missing.txt' does not exist; data.source=files reads a local file or folder"),
+    ("files", "bad.jsonl", b'{"text": "a"}\n{bad json\n', r"cannot read .*bad.jsonl as json: .*each line of a .jsonl file"),
+    ("files", "binary.txt", bytes(range(128, 256)) * 20, r"cannot read .*binary.txt as text: .*must be UTF-8"),
+    ("traces", "not_a_dataset", "folder", r"not_a_dataset' is a folder but not a saved dataset"),
+    ("hf", "no-such-org/no-such-dataset", None, r"cannot load dataset 'no-such-org/no-such-dataset' \(split 'train'\)"),
+])
+def test_bad_data_paths_get_one_clear_line(tmp_path, monkeypatch, source, name, content, message):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    path = tmp_path / name if "/" not in name else name
+    if content == "folder":
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "x.bin").write_bytes(b"1")
+    elif content is not None:
+        (tmp_path / name).write_bytes(content)
+    with pytest.raises(DataError, match=message):
+        load_source(cfg(source=source, path=str(path)), seed=0, num_rows=-1)
+
+
+def test_the_too_long_error_names_the_split(tokenizer):
+    raw = datasets.Dataset.from_list([{"text": "word " * 80}])
+    with pytest.raises(DataError, match="no rows are left in the eval split after data.too_long='drop'"):
+        prepare(raw, tokenizer, cfg(source="files", packing=False, too_long="drop"), "eval")
+
+
 def test_packing_joins_documents_with_eos_and_masks_prompts(tokenizer):
     raw = datasets.Dataset.from_list([{"prompt": f"Question {i}?", "completion": "Answer " * 5} for i in range(12)])
     packed = prepare(raw, tokenizer, cfg(source="hf", mask_prompt=True, max_length=48), "train")

@@ -364,6 +364,25 @@ def test_a_dms_marked_token_stays_readable_for_exactly_window_steps(length, seed
 
 
 # --- errors --------------------------------------------------------------------------------------------
+def test_a_cache_serves_one_generate_call():
+    model = tiny_model()
+    ids = torch.randint(0, 97, (1, 6))
+    with BoundedCache(model, policy="window", budget=4) as cache:
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=3, do_sample=False)
+        for prompt in (ids, ids[:, :3], torch.cat([ids, ids], 1)):
+            with pytest.raises(EngineError, match="already holds 8 positions from an earlier call; use a new BoundedCache"):
+                model.generate(prompt, attention_mask=torch.ones_like(prompt), cache=cache, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("budget", [2.5, "8", True, None])
+def test_budget_and_chunk_types_are_checked_when_the_cache_is_made(budget):
+    model = tiny_model()
+    with pytest.raises(EngineError, match=f"budget={budget!r} is invalid; it must be an integer >= 1"):
+        BoundedCache(model, policy="tova", budget=budget)
+    with pytest.raises(EngineError, match="chunk_size=2.0 is invalid; it must be an integer >= 1"):
+        BoundedCache(model, policy="tova", budget=4, chunk_size=2.0)
+
+
 def test_bad_settings_get_clear_errors():
     model = tiny_model()
     with pytest.raises(EngineError, match="unknown policy 'lru'.*valid"):

@@ -66,6 +66,16 @@ def test_default_recipe_and_overrides():
     (["strategy.zero_stage=4"], r"strategy.zero_stage=4 is invalid"),
     (["recipe=trimkv_smollm2_m128", "gate.trimkv.budget=0"], r"budget=0 is invalid"),
     (["trainer.max_steps"], r"not key=value"),
+    (["trainer.max_steps=0"], r"trainer.max_steps=0 is invalid; valid: -1 .* or a step count >= 1"),
+    (["trainer.max_steps=-7"], r"trainer.max_steps=-7 is invalid"),
+    (["schedule.hold_steps=-100"], r"schedule.hold_steps=-100 is invalid; it must be >= 0"),
+    (["optim.grad_clip=-1"], r"optim.grad_clip=-1.0 is invalid; it must be >= 0"),
+    (["recipe=trimkv_smollm2_m128", "gate.trimkv.budget=4096"], r"budget=4096 leaves nothing to evict.*max_length=512"),
+    (["loss.chunk_tokens=0"], r"loss.chunk_tokens=0 is invalid; it must be >= 1"),
+    (["trainer.accumulate_grad_batches=0"], r"trainer.accumulate_grad_batches=0 is invalid"),
+    (["trainer.devices=0"], r"trainer.devices=0 is invalid; valid: a count >= 1"),
+    (["data.eval_samples=-1"], r"data.eval_samples=-1 is invalid; it must be >= 0"),
+    (["loss.temperature=0"], r"loss.temperature=0.0 is invalid; it must be > 0"),
     (["--fast"], r"unknown option"),
 ])
 def test_bad_input_is_named(args, message, capsys):
@@ -73,6 +83,20 @@ def test_bad_input_is_named(args, message, capsys):
     import re
 
     assert re.search(message, capsys.readouterr().err), args
+
+
+@pytest.mark.parametrize("text,message", [
+    ("optim: [1,\n lr", r"bad.yaml is not valid YAML: .*line 1"),
+    ("- 1\n- 2\n", r"bad.yaml holds a YAML list; a recipe is a mapping"),
+    ("", r"bad.yaml is empty"),
+])
+def test_broken_recipe_files_are_named(tmp_path, text, message):
+    from recipes import load_structured
+    from train.config import RunConfig
+
+    (tmp_path / "bad.yaml").write_text(text)
+    with pytest.raises(RecipeError, match=message):
+        load_structured(RunConfig, tmp_path, "bad")
 
 
 def test_help_lists_recipes(capsys):

@@ -8,6 +8,7 @@ import sys
 
 from recipes import RecipeError, available_recipes
 from train.config import DEFAULT_RECIPE, load_recipe, to_yaml
+from train.errors import NonFiniteLossError
 
 USAGE = f"""usage: python -m train [recipe=NAME] [key=value ...] [--dry-run] [--print-config]
 
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RecipeError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except NonFiniteLossError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     print(json.dumps(summary, indent=2))
     return 0
 

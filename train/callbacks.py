@@ -13,17 +13,18 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from omegaconf import OmegaConf
 
-from checkpoints import SnapshotMeta, save_snapshot, trained_tensors
+from checkpoints import SnapshotMeta, recover_snapshots, save_snapshot, trained_tensors
 from models import gate_kind
 from train.schedule import schedule_at
 
 
-def snapshot_meta(cfg, step: int, cr: float) -> SnapshotMeta:
+def snapshot_meta(cfg, step: int, cr: float, fingerprint: str | None = None) -> SnapshotMeta:
     return SnapshotMeta(
         backbone=cfg.model.backbone, gate_kind=cfg.gate.kind, gate_settings=cfg.gate.settings(),
         backbone_mode=cfg.model.backbone_mode, dtype=cfg.model.dtype,
         lora=dataclasses.asdict(cfg.model.lora) if cfg.model.backbone_mode == "lora" else None,
-        cr=cr, step=step, recipe=cfg.recipe, config=OmegaConf.to_container(OmegaConf.structured(cfg)))
+        cr=cr, step=step, recipe=cfg.recipe, config=OmegaConf.to_container(OmegaConf.structured(cfg)),
+        backbone_fingerprint=fingerprint)
 
 
 class CRFamilySnapshots(L.Callback):
@@ -31,6 +32,10 @@ class CRFamilySnapshots(L.Callback):
 
     def __init__(self, output_dir: str | Path):
         self.root = Path(output_dir) / "snapshots"
+
+    def on_fit_start(self, trainer, module):
+        if trainer.is_global_zero and self.root.is_dir():
+            recover_snapshots(self.root)  # a run killed while replacing a snapshot left it aside
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if trainer.global_step == 0 or (batch_idx + 1) % trainer.accumulate_grad_batches:
@@ -50,7 +55,8 @@ class CRFamilySnapshots(L.Callback):
     def _save(self, trainer, module, name: str, cr: float) -> None:
         tensors = trained_tensors(module.model)  # every rank: gathering ZeRO-3 partitions is collective
         if trainer.is_global_zero:
-            save_snapshot(tensors, self.root / name, snapshot_meta(module.cfg, trainer.global_step, cr))
+            fingerprint = module.model.config.retrokv.get("backbone_fingerprint")
+            save_snapshot(tensors, self.root / name, snapshot_meta(module.cfg, trainer.global_step, cr, fingerprint))
 
 
 class AtomicModelCheckpoint(ModelCheckpoint):

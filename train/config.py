@@ -241,13 +241,28 @@ def validate(config: RunConfig) -> None:
     choice(config.resume if config.resume in ("never", "auto") else "path", ("never", "auto", "path"), "resume")
     if config.schedule.cr_final < 1:
         raise RecipeError(f"schedule.cr_final={config.schedule.cr_final} is invalid; a compression ratio is >= 1")
-    if config.schedule.steps_per_cr < 1:
-        raise RecipeError(f"schedule.steps_per_cr={config.schedule.steps_per_cr} is invalid; it must be >= 1")
     if config.data.max_length < 2:
         raise RecipeError(f"data.max_length={config.data.max_length} is invalid; it must be >= 2")
-    for key in ("batch_size",):
-        if getattr(config.data, key) < 1:
-            raise RecipeError(f"data.{key}={getattr(config.data, key)} is invalid; it must be >= 1")
+    if config.trainer.max_steps == 0 or config.trainer.max_steps < -1:
+        raise RecipeError(f"trainer.max_steps={config.trainer.max_steps} is invalid; valid: -1 (warm-up + ramp + hold) "
+                          "or a step count >= 1")
+    if config.data.train_samples == 0 or config.data.train_samples < -1:
+        raise RecipeError(f"data.train_samples={config.data.train_samples} is invalid; valid: -1 (all) or >= 1")
+    if not isinstance(config.trainer.devices, (int, list, str)) or isinstance(config.trainer.devices, bool) or \
+            config.trainer.devices in (0, [], "") or (isinstance(config.trainer.devices, int) and config.trainer.devices < -1):
+        raise RecipeError(f"trainer.devices={config.trainer.devices!r} is invalid; valid: a count >= 1, -1 (all), "
+                          "a list of device indices, or 'auto'")
+    tree = OmegaConf.structured(config)
+    _at_least(tree, 1, "data.batch_size", "loss.chunk_tokens", "schedule.steps_per_cr", "trainer.num_nodes",
+              "trainer.accumulate_grad_batches", "trainer.log_every_n_steps", "trainer.checkpoint_every_n_steps")
+    _at_least(tree, 0, "data.eval_samples", "data.num_workers", "schedule.hold_steps", "schedule.neuron_warmup_steps",
+              "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "loss.kl_weight", "loss.ntp_weight",
+              "loss.capacity_weight")
+    if config.trainer.val_check_interval is not None:
+        _at_least(tree, 1, "trainer.val_check_interval")
+    if config.loss.temperature <= 0:
+        raise RecipeError(f"loss.temperature={config.loss.temperature} is invalid; it must be > 0 (1 leaves the logits as "
+                          "they are)")
     if not 0 < config.loss.head_cap <= 1 or config.loss.head_cap_weight < 0:
         raise RecipeError(f"loss.head_cap={config.loss.head_cap} must be within (0, 1] and loss.head_cap_weight="
                           f"{config.loss.head_cap_weight} >= 0")
@@ -262,6 +277,17 @@ def validate(config: RunConfig) -> None:
     if config.gate.kind == "dms" and config.gate.dms.window + 1 >= config.data.max_length:
         raise RecipeError(f"gate.dms.window={config.gate.dms.window} leaves nothing to evict in sequences of "
                           f"data.max_length={config.data.max_length}; valid: window <= {config.data.max_length - 2}")
+    if config.gate.kind == "trimkv" and config.gate.trimkv.budget >= config.data.max_length:
+        raise RecipeError(f"gate.trimkv.budget={config.gate.trimkv.budget} leaves nothing to evict in sequences of "
+                          f"data.max_length={config.data.max_length}; valid: budget <= {config.data.max_length - 1}")
+
+
+def _at_least(tree, low: int, *keys: str) -> None:
+    """Each of the dotted `keys` of the config `tree` must be >= low."""
+    for key in keys:
+        value = OmegaConf.select(tree, key)
+        if value < low:
+            raise RecipeError(f"{key}={value} is invalid; it must be >= {low}")
 
 
 def total_steps(config: RunConfig) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import time
 
 import lightning as L
@@ -15,6 +16,7 @@ import models
 from models.gates import GateMode, gate_kind
 from models.trainable import trainable_parameters
 from train.config import RunConfig
+from train.errors import NonFiniteLossError
 from train.losses import chunked_distillation
 from train.schedule import schedule_at
 
@@ -96,6 +98,7 @@ class RetrofitModule(L.LightningModule):
             self._clock = time.perf_counter()
         micro = batch_idx % self.trainer.accumulate_grad_batches
         out = self.losses(batch, self.global_step, micro)
+        self._stop_if_not_finite(out)
         self._tokens_seen += int(batch["attention_mask"].sum())
         elapsed = max(time.perf_counter() - self._clock, 1e-9)
         bar = {"loss": out["loss"], "kl": out["kl"], "cr": out["cr_target"]}
@@ -115,6 +118,20 @@ class RetrofitModule(L.LightningModule):
         self._log_histograms(out["per_layer"])
         self.last_gate_table = {name: table.tolist() for name, table in out["per_layer"].items()}
         return out["loss"]
+
+    def _stop_if_not_finite(self, out: dict) -> None:
+        """A non-finite loss stops the run before it reaches the weights (every rank agrees first)."""
+        finite = bool(torch.isfinite(out["loss"]))
+        if self._trainer is not None:
+            finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
+        if finite:
+            return
+        terms = {k: float(out[k].detach()) for k in ("kl", "nll", "capacity", "head_cap") if k in out}
+        bad = [k for k, v in terms.items() if not math.isfinite(v)] or ["loss (on another rank)"]
+        raise NonFiniteLossError(f"step {self.global_step}: the loss is not finite ({', '.join(bad)}; "
+                                 f"{', '.join(f'{k}={v:.4g}' for k, v in terms.items())}); the run stops before the "
+                                 "weights change, and no snapshot is written from this step. Check loss.temperature, "
+                                 "optim.lr and the data")
 
     def _log_histograms(self, per_layer):
         logger = self.logger

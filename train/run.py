@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 from pathlib import Path
 
 import torch
@@ -28,6 +29,23 @@ def architecture_config(cfg: RunConfig):
     return load_backbone_config(cfg.model.backbone)
 
 
+def check_against_backbone(cfg: RunConfig):
+    """What the recipe asks of the backbone's architecture, checked before a dry run and before every real run
+    (no weights are loaded). Returns the backbone's config."""
+    from models import GateError
+    from models.gating import check_architecture
+
+    config = architecture_config(cfg)
+    try:
+        check_architecture(config)
+    except GateError as err:
+        raise RecipeError(f"model.backbone={cfg.model.backbone!r}: {err}") from None
+    if cfg.data.max_length > getattr(config, "max_position_embeddings", cfg.data.max_length):
+        raise RecipeError(f"data.max_length={cfg.data.max_length} exceeds the backbone's "
+                          f"max_position_embeddings={config.max_position_embeddings}")
+    return config
+
+
 def dry_run(cfg: RunConfig) -> dict:
     """Validate a recipe against the architecture without weights: gates are attached to a meta-device model."""
     from transformers import AutoModelForCausalLM
@@ -35,11 +53,7 @@ def dry_run(cfg: RunConfig) -> dict:
     import models
     from train.strategy import build_strategy
 
-    config = architecture_config(cfg)
-    models.gating.check_architecture(config)
-    if cfg.data.max_length > getattr(config, "max_position_embeddings", cfg.data.max_length):
-        raise RecipeError(f"data.max_length={cfg.data.max_length} exceeds the backbone's "
-                          f"max_position_embeddings={config.max_position_embeddings}")
+    config = check_against_backbone(cfg)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     models.attach_gates(model, cfg.gate.kind, **cfg.gate.settings())
@@ -73,13 +87,21 @@ def dry_run(cfg: RunConfig) -> dict:
     return report
 
 
+# what a resumed run may change: how long it runs and how it reports, never what it computes
+RESUMABLE_CHANGES = ("resume", "output_dir", "trainer.max_steps", "trainer.log_every_n_steps", "trainer.enable_progress_bar",
+                     "trainer.val_check_interval", "trainer.checkpoint_every_n_steps", "data.num_workers")
+
+
 def _check_output_dir(cfg: RunConfig) -> str | None:
     """The checkpoint to resume from, or None; refuses to overwrite an earlier run silently."""
     out = Path(cfg.output_dir)
     last = out / RESUME_DIR / "last.ckpt"
     # a DeepSpeed checkpoint is a folder named like the file of the other strategies
     if cfg.resume == "auto":
-        return str(last) if last.exists() else None
+        if not last.exists():
+            return None
+        _check_resumed_config(cfg, out / "config.yaml")
+        return _intact_checkpoint(last)
     if cfg.resume != "never":
         if not Path(cfg.resume).exists():
             raise RecipeError(f"resume={cfg.resume!r}: no such checkpoint; valid: never, auto, or a .ckpt path")
@@ -88,6 +110,55 @@ def _check_output_dir(cfg: RunConfig) -> str | None:
         raise RecipeError(f"output_dir={str(out)!r} already holds a run ({last}); pass resume=auto to continue it, "
                           "or choose another output_dir")
     return None
+
+
+def _check_resumed_config(cfg: RunConfig, saved: Path) -> None:
+    """A resumed run continues the run it resumes: only RESUMABLE_CHANGES may differ from its config."""
+    from omegaconf import OmegaConf
+
+    if not saved.is_file():
+        return
+    before = _flatten(OmegaConf.to_container(OmegaConf.load(saved)))
+    now = _flatten(OmegaConf.to_container(OmegaConf.create(to_yaml(cfg))))
+    changed = sorted(k for k in before.keys() | now.keys()
+                     if before.get(k) != now.get(k) and k not in RESUMABLE_CHANGES)
+    if changed:
+        shown = "; ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed[:8])
+        raise RecipeError(f"resume=auto would continue {saved.parent} with a different config ({shown}); only "
+                          f"{', '.join(RESUMABLE_CHANGES[2:])} may change. Use the run's own settings, or a new output_dir")
+
+
+def _flatten(tree, prefix: str = "") -> dict:
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    flat = {}
+    for key, value in tree.items():
+        flat.update(_flatten(value, f"{prefix}{key}."))
+    return flat
+
+
+def _intact_checkpoint(last: Path) -> str:
+    """`last` when it is a readable checkpoint, else the newest intact step checkpoint beside it (named in
+    the log); a corrupt file is never loaded. DeepSpeed checkpoints are folders, checked by DeepSpeed."""
+    if last.is_dir() or _readable(last):
+        return str(last)
+    for candidate in sorted(last.parent.glob("step*.ckpt"), reverse=True):
+        if candidate.is_file() and _readable(candidate):
+            log.warning("%s is corrupt (truncated, empty or not a checkpoint); resuming from %s instead", last, candidate)
+            return str(candidate)
+    raise RecipeError(f"{last} is corrupt (truncated, empty or not a checkpoint) and no intact step*.ckpt is left in "
+                      f"{last.parent}; delete the folder to start over, or pass resume=PATH to another checkpoint")
+
+
+def _readable(path: Path) -> bool:
+    """A torch checkpoint is a zip archive whose directory sits at its end: truncation or garbage breaks it."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return bool(archive.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
 
 
 def train(cfg: RunConfig) -> dict:
@@ -102,9 +173,11 @@ def train(cfg: RunConfig) -> dict:
     from train.strategy import build_strategy
 
     ckpt = _check_output_dir(cfg)
+    check_against_backbone(cfg)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(to_yaml(cfg))
+    if not (out / "config.yaml").is_file() or ckpt is None:
+        (out / "config.yaml").write_text(to_yaml(cfg))  # a resumed run keeps the config it started with
     L.seed_everything(cfg.seed, workers=True)
     model, tokenizer = build_gated_model(cfg)
     teacher = None
@@ -139,7 +212,12 @@ def train(cfg: RunConfig) -> dict:
         use_distributed_sampler=False,  # data.StepSampler strides ranks itself, deterministically
         default_root_dir=str(out),
     )
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
+    try:
+        # explicit weights_only: safety must not depend on torch's default or TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=True)
+    except pickle.UnpicklingError:
+        raise RecipeError(f"{ckpt} holds objects other than tensors and plain data, which RetroKV never writes; it was "
+                          "not loaded (loading it could run code). Resume from a checkpoint this run wrote") from None
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     summary = {"recipe": cfg.recipe, "steps": trainer.global_step, "output_dir": str(out), **metrics,
                "gates_last_step": module.last_gate_table}

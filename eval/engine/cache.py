@@ -96,9 +96,9 @@ class BoundedCache(Cache):
             raise EngineError(str(err)) from None
         self.policy = make_policy(policy)
         self.policy.bind(model, budget)
-        chunk_size = chunk_size or self.policy.budget
-        if chunk_size < 1:
-            raise EngineError(f"chunk_size={chunk_size} is invalid; it must be >= 1")
+        chunk_size = self.policy.budget if chunk_size is None else chunk_size
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise EngineError(f"chunk_size={chunk_size!r} is invalid; it must be an integer >= 1 (or None: the budget)")
         self._attention_modules = [layer.self_attn for layer in decoder_layers(model)]
         self._config = model.config
         inv_freq = rotary_frequencies(model) if gap_compression else None
@@ -110,6 +110,18 @@ class BoundedCache(Cache):
             set_gate_mode(model, "infer" if self.policy.gate_kind else "off")
         register_engine_attention()
         model.set_attn_implementation(ENGINE_ATTENTION)
+
+    @property
+    def _is_user_defined(self) -> bool:
+        return True
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        """transformers' `generate` marks the cache it was given, once per call: a second call on a cache that
+        holds tokens would treat them as the new prompt's prefix (evicted tokens cannot serve as one)."""
+        if self.layers and self.layers[0].is_initialized and self.layers[0].length:
+            raise EngineError(f"this BoundedCache already holds {self.layers[0].length} positions from an earlier call; "
+                              "use a new BoundedCache for each generate call")
 
     def close(self) -> None:
         """Give the model back its attention implementation and gate mode (idempotent)."""

@@ -72,8 +72,8 @@ class Policy:
 
     def bind(self, model, budget: int) -> None:
         """Check the budget (and the model, for learned policies) before anything is allocated."""
-        if budget < 1:
-            raise EngineError(f"budget={budget} is invalid; it must be >= 1 token per KV head")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise EngineError(f"budget={budget!r} is invalid; it must be an integer >= 1 (tokens per KV head)")
         self.budget = budget
 
     def capacity(self) -> int:
