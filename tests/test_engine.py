@@ -465,3 +465,25 @@ def test_smollm2_generates_through_the_engine(smollm2, tokenizer):
         with_engine = model.generate(**france, cache=cache, **stop)
     assert torch.equal(with_engine, with_full)
     assert tokenizer.decode(with_full[0]).endswith("Paris") and with_full.shape[1] < france.input_ids.shape[1] + 12
+
+
+@pytest.mark.parametrize("policy", ["window", "sink", "h2o", "tova", "dms", "trimkv"])
+def test_a_decode_step_reads_nothing_back_to_the_host(policy):
+    """No tensor becomes a Python value in the engine's decode step (it would stall a GPU each layer)."""
+    from eval.engine.syncs import count_host_syncs
+
+    model = gated(policy, sinks=2) if policy in ("dms", "trimkv") else tiny_model()
+    ids, mask = left_padded_batch()
+    with BoundedCache(model, policy=policy, budget=6) as cache:
+        model(ids, attention_mask=mask, cache=cache)
+        with count_host_syncs() as syncs:
+            for layer in cache.layers:  # the engine's own work, not the model's or transformers'
+                batch = ids.shape[0]
+                layer.update(*(torch.randn(batch, 2, 1, 16),) * 2)
+                gate = torch.randn(batch, 2, 1) if policy in ("dms", "trimkv") else None
+                layer.attend(torch.randn(batch, 4, 1, 16), torch.ones(batch, 1, dtype=torch.bool),
+                             torch.full((batch, 1), 30), 0.25, gate)
+        assert syncs["count"] == 0
+        with count_host_syncs() as syncs:
+            int(torch.ones(()))
+        assert syncs["count"] == 1  # the counter itself works

@@ -28,7 +28,11 @@ class BoundedLayer(CacheLayerMixin):
         super().__init__()
         self.policy = policy
         self.inv_freq = inv_freq  # set: TOVA gap compression re-rotates keys and queries each chunk
-        self.slots = policy.capacity()
+        self.slots = policy.capacity()  # tokens held at most, per (sequence, KV head)
+        # one spare slot: a decode step writes its token into a free slot first and attends once (see _decode)
+        self.allocated = self.slots + 1
+        # decode steps take _decode unless TOVA's gap compression re-rotates keys or a burst buffer evicts in batches
+        self.decodes_in_place = inv_freq is None and policy.evict_to() == self.slots
         self.chunk_size = chunk_size
         self.length = 0  # positions processed, padding included: what transformers counts positions from
         self.in_use = 0  # slots [0, in_use) may hold tokens; later ones are still empty and are not read
@@ -45,7 +49,7 @@ class BoundedLayer(CacheLayerMixin):
     # --- the transformers layer API -------------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states):
         batch, kv_heads, _, dim = key_states.shape
-        shape = (batch, kv_heads, self.slots)
+        shape = (batch, kv_heads, self.allocated)
         self.device = key_states.device
         self.keys = key_states.new_zeros(*shape, dim)
         self.values = value_states.new_zeros(*shape, value_states.shape[-1])
@@ -129,33 +133,91 @@ class BoundedLayer(CacheLayerMixin):
         self.pending = None
         q_len = query.shape[2]
         decode = q_len == 1
+        self.length += q_len
+        self.decode_steps += int(decode)
+        if decode and self.decodes_in_place:
+            return self._decode(query, keys, values, positions, new_real, gate, scaling)
         out = query.new_empty(*query.shape[:3], values.shape[-1])
         for a in range(0, q_len, self.chunk_size):
             b = min(a + self.chunk_size, q_len)
             out[:, :, a:b] = self._attend_chunk(query[:, :, a:b], keys[:, :, a:b], values[:, :, a:b],
                                                 positions[:, a:b], new_real[:, a:b],
                                                 None if gate is None else gate[..., a:b], scaling, decode)
-        self.length += q_len
-        self.decode_steps += int(decode)
         return out
+
+    def _decode(self, query, keys, values, positions, real, gate, scaling) -> torch.Tensor:
+        """One new token per sequence, written into a free slot first (there is always one: at most `slots`
+        tokens are held in `slots + 1`) and attended together with the held tokens in one pass; then the policy
+        frees what it drops and, when `slots + 1` tokens want to stay, evicts its lowest-scoring one (the new
+        token included). The same candidates and rule as a chunk of one, without copies or host synchronisation."""
+        batch, heads, _, dim = query.shape
+        kv_heads = keys.shape[1]
+        n = min(self.in_use + 1, self.allocated)
+        pos, slot_keys, slot_values = self.positions[..., :n], self.keys[:, :, :n], self.values[:, :, :n]
+        free = pos.argmin(-1, keepdim=True)  # [B, Hkv, 1] a slot holding -1 (free)
+        positions = positions.to(torch.int32)
+        pos.scatter_(-1, free, positions.masked_fill(~real, -1)[:, None].expand(-1, kv_heads, -1))
+        slot_keys.scatter_(2, free[..., None].expand(-1, -1, -1, dim), keys)
+        slot_values.scatter_(2, free[..., None].expand(-1, -1, -1, values.shape[-1]), values)
+        state = {name: t[..., :n] for name, t in self.state.items()}
+        for name, t in state.items():
+            t.scatter_(-1, free, self.policy.state[name][1])
+        chunk = Chunk(query=query.view(batch, kv_heads, heads // kv_heads, 1, dim), positions=positions, real=real,
+                      gate=gate, cand_pos=pos, cand_ok=pos >= 0, state=dict(state), num_slots=n,
+                      rank_start=self.real_tokens, new_index=free)
+        if gate is not None:
+            self.policy.candidate_state(chunk)
+        real_count = real.long()  # [B, 1]
+        self.real_tokens = self.real_tokens + real_count[:, 0]
+
+        visible = chunk.cand_ok[:, :, None, None, :]  # [B, Hkv, 1, 1, N]
+        extra = self.policy.visibility(chunk)
+        if extra is not None:
+            visible = visible & extra
+        scores = query.view(batch, kv_heads, -1, dim) @ slot_keys.transpose(-1, -2)  # [B, Hkv, G, N]
+        if scores.dtype != torch.promote_types(scores.dtype, torch.float32):  # softmax in float32 at least
+            scores = scores.float()
+        scores = scores.mul_(scaling).view(batch, kv_heads, -1, 1, n).masked_fill_(~visible, torch.finfo(scores.dtype).min)
+        probs = scores.softmax(-1)
+        out = probs.to(values.dtype).view(batch, kv_heads, -1, n) @ slot_values
+
+        score = self.policy.keep_scores(chunk, probs if self.policy.needs_probs else None)
+        for name, t in state.items():
+            if chunk.state[name] is not t:  # the policy replaced its state (H2O's accumulated attention)
+                t.copy_(chunk.state[name])
+        keep = chunk.cand_ok
+        if self.policy.drops:
+            keep = keep & (score != NEG)
+            pos.masked_fill_(~keep, -1)  # what the policy drops (DMS's expired keys) frees its slot
+        count = keep.sum(-1)  # [B, Hkv] tokens that want to stay
+        over = count > self.slots
+        lowest, victim = score.masked_fill(~keep, POS).min(-1, keepdim=True)
+        if self.policy.can_overflow and bool((over & torch.isposinf(lowest[..., 0])).any()):
+            raise self._overflow()
+        pos.scatter_(-1, victim, torch.where(over[..., None], -1, pos.gather(-1, victim)))
+        held = count.clamp(max=self.slots)
+        read = visible.sum((2, 3, 4)) if extra is not None else count
+        self._count_step(read * real_count, count - held, held, real_count)
+        self.in_use = n
+        return out.view(batch, heads, 1, -1)
 
     def _chunk(self, query, positions, real, gate) -> Chunk:
         """The chunk's tokens next to the occupied slots (the candidates), with the policy's state for both."""
         batch, heads, c, dim = query.shape
         kv_heads = self.keys.shape[1]
-        slots = min(self.in_use + c, self.slots)  # the used slots plus room for this chunk
+        slots = min(self.in_use + c, self.allocated)  # the used slots plus room for this chunk
         positions = positions.to(torch.int32)
         new_pos = torch.where(real, positions, torch.full_like(positions, -1))[:, None].expand(-1, kv_heads, -1)
         cand_pos = torch.cat([self.positions[..., :slots], new_pos], -1)
         cand_ok = cand_pos >= 0
         state = {name: torch.cat([t[..., :slots], torch.full((batch, kv_heads, c), self.policy.state[name][1], dtype=t.dtype,
                                                 device=t.device)], -1) for name, t in self.state.items()}
-        rank = self.real_tokens[:, None] + real.long().cumsum(-1) - 1
         chunk = Chunk(query=query.view(batch, kv_heads, heads // kv_heads, c, dim), positions=positions, real=real,
-                      gate=gate, cand_pos=cand_pos, cand_ok=cand_ok, state=state, num_slots=slots, rank=rank)
+                      gate=gate, cand_pos=cand_pos, cand_ok=cand_ok, state=state, num_slots=slots,
+                      rank_start=self.real_tokens)
         if gate is not None:
             self.policy.candidate_state(chunk)
-        self.real_tokens += real.sum(-1)
+        self.real_tokens = self.real_tokens + real.sum(-1)
         return chunk
 
     def _attend_chunk(self, query, keys, values, positions, real, gate, scaling, decode):
@@ -185,13 +247,20 @@ class BoundedLayer(CacheLayerMixin):
 
         self._count_reads((visible.any(2) & real[:, None, :, None]).sum(), decode)
         score = self.policy.keep_scores(chunk, probs if self.policy.needs_probs else None)
-        if c == 1 and self.policy.evict_to() == self.slots:
-            self._retain_one(chunk, score, keys, values)
-        else:
-            self._retain(chunk, score, keys, values)
+        self._retain(chunk, score, keys, values)
         self.in_use = slots
         self._count_held(real)
         return out.view(batch, heads, c, -1)
+
+    def _count_step(self, reads: torch.Tensor, evicted: torch.Tensor, held: torch.Tensor, real: torch.Tensor) -> None:
+        """A decode step's counters from [B, Hkv] tensors: keys read, forced evictions, tokens held after it."""
+        reads = reads.sum()
+        self.query_reads += reads
+        self.decode_reads += reads
+        self.full_cache_reads += self.real_tokens.sum() * held.shape[1]
+        self.capacity_evictions += evicted.sum()
+        self.peak = torch.maximum(self.peak, held.amax(0))
+        self.held_integral += (held * real).sum(0)
 
     def _count_reads(self, reads: torch.Tensor, decode: bool) -> None:
         """Keys read by this chunk's real queries; a decode step also counts what a full cache would read."""
@@ -217,29 +286,6 @@ class BoundedLayer(CacheLayerMixin):
         return query.reshape(batch, kv_heads * group, c, dim), slot_keys, new_keys
 
     # --- eviction ----------------------------------------------------------------------------------------
-    def _retain_one(self, chunk: Chunk, score: torch.Tensor, keys, values) -> None:
-        """Decode fast path: one new token, at most one eviction. The lowest-scoring candidate makes room:
-        an empty or dropped slot if there is one, else the weakest token (the new one included)."""
-        slots = chunk.num_slots
-        score = score.masked_fill(~chunk.cand_ok, NEG)
-        self.positions[..., :slots].masked_fill_(score[..., :slots] == NEG, -1)  # free slots the policy dropped
-        lowest, victim = score.min(-1)
-        if bool(torch.isposinf(lowest).any()):
-            raise self._overflow()
-        self.capacity_evictions += torch.isfinite(lowest).sum()
-        write = (victim < slots) & chunk.cand_ok[..., slots]  # the new token stays (in the victim's slot)
-        index = victim.clamp(max=slots - 1)[..., None]
-        for name, t in self.state.items():
-            t[..., :slots].copy_(chunk.state[name][..., :slots])
-        tensors = [(self.positions, chunk.cand_pos[..., slots:]), (self.keys, keys), (self.values, values)]
-        tensors += [(self.state[name], chunk.state[name][..., slots:]) for name in self.state]
-        for stored, new in tensors:
-            at = index if stored.dim() == 3 else index[..., None].expand(-1, -1, -1, stored.shape[-1])
-            keep_new = write[..., None] if stored.dim() == 3 else write[..., None, None]
-            stored.scatter_(2, at, torch.where(keep_new, new, stored.gather(2, at)))
-        self._stored_one(write, index, keys)
-        self.peak = torch.maximum(self.peak, (self.positions >= 0).sum(-1).max(0).values)
-
     def _overflow(self) -> EngineError:
         return EngineError(f"the {self.policy.name} policy must keep more tokens than its {self.slots} slots per KV "
                            f"head hold (budget={self.policy.budget}); raise the budget")
@@ -289,13 +335,16 @@ class BoundedLayer(CacheLayerMixin):
     def _stored(self, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor, key: torch.Tensor) -> None:
         """Hook: new keys `key` [n, D] were written to (sequence b, KV head h, slot)."""
 
-    def _stored_one(self, write: torch.Tensor, index: torch.Tensor, keys: torch.Tensor) -> None:
-        """Hook: a decode step wrote its new key where `write` [B, Hkv] holds, into slot `index` [B, Hkv, 1]."""
 
 
 class QuestLayer(BoundedLayer):
     """Quest: the base layer's storage (it evicts nothing) plus element-wise key bounds per page, which a
     decode step uses to read only the pages that promise the largest scores."""
+
+    def __init__(self, policy, chunk_size: int, inv_freq: torch.Tensor | None = None):
+        super().__init__(policy, chunk_size, inv_freq)
+        self.allocated = self.slots  # whole pages; the decode step stores its token after reading
+        self.decodes_in_place = True  # its own sparse decode step, also with gap compression
 
     def lazy_initialization(self, key_states, value_states):
         super().lazy_initialization(key_states, value_states)
@@ -313,9 +362,7 @@ class QuestLayer(BoundedLayer):
     def _stored_tensors(self) -> list[torch.Tensor]:
         return super()._stored_tensors() + [self.key_min, self.key_max]
 
-    def _attend_chunk(self, query, keys, values, positions, real, gate, scaling, decode):
-        if not decode:
-            return super()._attend_chunk(query, keys, values, positions, real, gate, scaling, decode)
+    def _decode(self, query, keys, values, positions, real, gate, scaling):
         chunk = self._chunk(query, positions, real, gate)
         out = self._sparse_decode(chunk, keys, values, scaling)
         self._retain_one(chunk, self.policy.keep_scores(chunk, None), keys, values)
@@ -347,12 +394,32 @@ class QuestLayer(BoundedLayer):
         self._count_reads(read.sum() + chunk.cand_ok[..., -1].sum(), decode=True)
         return out.reshape(batch, kv_heads * group, 1, -1)
 
-    def _stored(self, b, h, slot, key) -> None:
-        self._update_page_bounds(b, h, slot // self.policy.page_size, key)
-
-    def _stored_one(self, write, index, keys) -> None:
+    def _retain_one(self, chunk: Chunk, score: torch.Tensor, keys, values) -> None:
+        """Store the decode step's token: at most one eviction. The lowest-scoring candidate makes room:
+        an empty or dropped slot if there is one, else the weakest token (the new one included)."""
+        slots = chunk.num_slots
+        score = score.masked_fill(~chunk.cand_ok, NEG)
+        self.positions[..., :slots].masked_fill_(score[..., :slots] == NEG, -1)  # free slots the policy dropped
+        lowest, victim = score.min(-1)
+        if bool(torch.isposinf(lowest).any()):
+            raise self._overflow()
+        self.capacity_evictions += torch.isfinite(lowest).sum()
+        write = (victim < slots) & chunk.cand_ok[..., slots]  # the new token stays (in the victim's slot)
+        index = victim.clamp(max=slots - 1)[..., None]
+        for name, t in self.state.items():
+            t[..., :slots].copy_(chunk.state[name][..., :slots])
+        tensors = [(self.positions, chunk.cand_pos[..., slots:]), (self.keys, keys), (self.values, values)]
+        tensors += [(self.state[name], chunk.state[name][..., slots:]) for name in self.state]
+        for stored, new in tensors:
+            at = index if stored.dim() == 3 else index[..., None].expand(-1, -1, -1, stored.shape[-1])
+            keep_new = write[..., None] if stored.dim() == 3 else write[..., None, None]
+            stored.scatter_(2, at, torch.where(keep_new, new, stored.gather(2, at)))
         b, h = write.nonzero(as_tuple=True)
         self._update_page_bounds(b, h, index[b, h, 0] // self.policy.page_size, keys[b, h, 0])
+        self.peak = torch.maximum(self.peak, (self.positions >= 0).sum(-1).max(0).values)
+
+    def _stored(self, b, h, slot, key) -> None:
+        self._update_page_bounds(b, h, slot // self.policy.page_size, key)
 
     def _update_page_bounds(self, b, h, page, key) -> None:
         _, kv_heads, pages, dim = self.key_min.shape

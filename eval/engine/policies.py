@@ -29,7 +29,12 @@ class EngineError(ValueError):
 
 @dataclasses.dataclass
 class Chunk:
-    """What a policy knows about the current chunk; candidate tensors are [B, Hkv, N] with N = slots + c."""
+    """What a policy knows about the current chunk; candidate tensors are [B, Hkv, N].
+
+    Two layouts: a prefill chunk's candidates are the slots followed by the c new tokens (N = slots + c); a
+    decode step's new token is already written into a free slot, `new_index`, and the candidates are the
+    slots themselves (N = slots, c = 1). `held_before` and `set_new` read and write either layout.
+    """
 
     query: torch.Tensor  # [B, Hkv, G, c, D], RoPE applied
     positions: torch.Tensor  # [B, c] true positions of the chunk's tokens
@@ -39,7 +44,8 @@ class Chunk:
     cand_ok: torch.Tensor  # [B, Hkv, N] holds a real token
     state: dict[str, torch.Tensor]  # per-candidate policy state, [B, Hkv, N]
     num_slots: int
-    rank: torch.Tensor  # [B, c] index of each chunk token among its sequence's real tokens (padding excluded)
+    rank_start: torch.Tensor  # [B] real tokens each sequence had before this chunk
+    new_index: torch.Tensor | None = None  # decode layout: [B, Hkv, 1] the slot holding the new token
 
     @property
     def size(self) -> int:
@@ -50,10 +56,30 @@ class Chunk:
         """[B, 1, c, 1] positions of the queries, for broadcasting against candidates."""
         return self.positions[:, None, :, None]
 
+    @property
+    def held_before(self) -> torch.Tensor:
+        """[B, Hkv, N] (or [N]) True for candidates that were in the slots before this chunk."""
+        if self.new_index is None:
+            return torch.arange(self.cand_pos.shape[-1], device=self.cand_pos.device) < self.num_slots
+        return torch.ones_like(self.cand_ok).scatter_(-1, self.new_index, False)
+
+    def set_new(self, name: str, values: torch.Tensor) -> None:
+        """Write the chunk's tokens' state `name` ([B, Hkv, c]) into its candidate positions (in place)."""
+        state = self.state[name]
+        if self.new_index is None:
+            state[..., self.num_slots:] = values
+        else:
+            state.scatter_(-1, self.new_index, values.to(state.dtype))
+
+    @property
+    def rank(self) -> torch.Tensor:
+        """[B, c] index of each chunk token among its sequence's real tokens (padding excluded)."""
+        return self.rank_start[:, None] + self.real.long().cumsum(-1) - 1
+
     def mark_sinks(self, count: int) -> None:
         """Flag the chunk's tokens that are among their sequence's first `count` real tokens in state["sink"]."""
         first = (self.rank < count) & self.real  # [B, c]
-        self.state["sink"][..., self.num_slots:] = first[:, None].expand(-1, self.cand_pos.shape[1], -1)
+        self.set_new("sink", first[:, None].expand(-1, self.cand_pos.shape[1], -1))
 
     @property
     def now(self) -> torch.Tensor:
@@ -68,6 +94,8 @@ class Policy:
     name = "policy"
     needs_probs = False  # keep_scores reads the chunk's attention probabilities
     gate_kind: str | None = None  # the model's gates this policy reads ("dms" | "trimkv"), if any
+    can_overflow = False  # pins (+inf) more tokens than fit; only Full may: the others' pins are bounded in bind
+    drops = False  # keep_scores may give -inf: a token the policy itself drops (DMS's expired keys)
     state: ClassVar[dict[str, tuple[torch.dtype, float]]] = {}  # per-slot state: name -> (dtype, empty value)
 
     def bind(self, model, budget: int) -> None:
@@ -101,6 +129,7 @@ class Full(Policy):
     """No eviction: the topline. The budget is the number of slots and must cover the whole sequence."""
 
     name = "full"
+    can_overflow = True
 
     def keep_scores(self, chunk, probs):
         return torch.full(chunk.cand_pos.shape, POS, device=chunk.cand_pos.device)
@@ -171,8 +200,11 @@ class TOVA(Policy):
         self.head_wise = head_wise
 
     def keep_scores(self, chunk, probs):
-        last = self._last_real_query(chunk)  # [B]
-        row = probs[torch.arange(probs.shape[0], device=probs.device), :, :, last]  # [B, Hkv, G, N]
+        if chunk.size == 1:  # a decode step: the one query is the last
+            row = probs[:, :, :, 0]  # [B, Hkv, G, N]
+        else:
+            last = self._last_real_query(chunk)  # [B]
+            row = probs[torch.arange(probs.shape[0], device=probs.device), :, :, last]
         score = row.mean(2) if self.head_wise else row.mean((1, 2))[:, None].expand(-1, row.shape[1], -1)
         return score.contiguous()
 
@@ -193,6 +225,7 @@ class DMS(Policy):
 
     name = "dms"
     gate_kind = "dms"
+    drops = True
     state: ClassVar = {"evict": (torch.bool, False), "decided": (torch.bool, False), "logit": (torch.float32, 0.0),
                        "sink": (torch.bool, False)}
 
@@ -206,22 +239,21 @@ class DMS(Policy):
 
     def candidate_state(self, chunk):
         logit = chunk.gate.expand(-1, chunk.cand_pos.shape[1], -1)  # [B, Hkv, c]
-        s, c = chunk.num_slots, chunk.size
         st = chunk.state
-        # the first token of this chunk decides the previous chunk's last key
-        first = torch.where(chunk.real[:, :1], logit[..., 0], torch.full_like(logit[..., 0], NEG))
-        pending = ~st["decided"][..., :s] & chunk.cand_ok[..., :s]
-        has_first = chunk.real[:, None, :1].expand_as(pending)
-        st["evict"][..., :s] |= pending & has_first & dms.evicts(first[..., None])
-        st["logit"][..., :s] = torch.where(pending & has_first, first[..., None].expand_as(pending), st["logit"][..., :s])
-        st["decided"][..., :s] |= pending & has_first
-        # inside the chunk: key j is decided by token j + 1; the last waits for the next forward
-        shifted = dms.shift(logit, 0.0)
-        decided = torch.zeros_like(chunk.cand_ok[..., s:])
-        decided[..., : c - 1] = True
-        st["evict"][..., s:] = decided & dms.evicts(shifted)
-        st["logit"][..., s:] = torch.where(decided, shifted, torch.zeros_like(shifted))
-        st["decided"][..., s:] = decided
+        # the first token of this chunk decides the previous chunk's last key (the held key still pending)
+        first = logit[..., :1]  # [B, Hkv, 1]
+        pending = ~st["decided"] & chunk.cand_ok & chunk.held_before & chunk.real[:, None, :1]
+        st["evict"] |= pending & dms.evicts(first)
+        st["logit"].copy_(torch.where(pending, first, st["logit"]))
+        st["decided"] |= pending
+        # inside the chunk: key j is decided by token j + 1; the last waits for the next forward (a chunk of
+        # one, a decode step, decides nothing of its own: its token keeps the empty state it was given)
+        if chunk.size > 1:
+            decided = (torch.arange(chunk.size, device=logit.device) < chunk.size - 1).expand_as(logit)
+            shifted = dms.shift(logit, 0.0)
+            chunk.set_new("evict", decided & dms.evicts(shifted))
+            chunk.set_new("logit", torch.where(decided, shifted, torch.zeros_like(shifted)))
+            chunk.set_new("decided", decided)
         chunk.mark_sinks(self.sink_count)
         st["evict"] &= ~st["sink"]
 
@@ -263,7 +295,7 @@ class TrimKV(Policy):
         return self.budget + self.burst
 
     def candidate_state(self, chunk):
-        chunk.state["log_beta"][..., chunk.num_slots:] = chunk.gate
+        chunk.set_new("log_beta", chunk.gate.expand(-1, chunk.cand_pos.shape[1], -1))
         chunk.mark_sinks(self.sink_count)
 
     def visibility(self, chunk):
