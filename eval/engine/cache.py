@@ -119,8 +119,9 @@ class BoundedCache(Cache):
     def _is_user_defined(self, value: bool) -> None:
         """transformers' `generate` marks the cache it was given, once per call: a second call on a cache that
         holds tokens would treat them as the new prompt's prefix (evicted tokens cannot serve as one)."""
-        if self.layers and self.layers[0].is_initialized and self.layers[0].length:
-            raise EngineError(f"this BoundedCache already holds {self.layers[0].length} positions from an earlier call; "
+        layers = getattr(self, "layers", None)  # None while Cache.__init__ runs
+        if layers and layers[0].is_initialized and layers[0].length:
+            raise EngineError(f"this BoundedCache already holds {layers[0].length} positions from an earlier call; "
                               "use a new BoundedCache for each generate call")
 
     def close(self) -> None:

@@ -4,7 +4,9 @@ Slots hold RoPE'd keys, values, the token's true position (-1 = empty) and the p
 A forward's new tokens are attended in chunks: each chunk reads the occupied slots plus its own keys
 (causally), then the policy scores slots and chunk together and the best ones that fit stay. Tokens that
 stay overwrite freed slots in place; nothing is compacted and nothing grows past the slots allocated.
-`QuestLayer` adds Quest's page bounds and its sparse decode step on top.
+A decode step (one token) is written into a free slot first and attended in one pass (`_decode`), which is
+why a layer allocates one slot more than it may hold. `QuestLayer` adds Quest's page bounds and its sparse
+decode step on top.
 
 Counters: `length` is what transformers counts positions from (padding included); `real_tokens` [B] is
 each sequence's real tokens; reads and held tokens are device tensors, read once by `BoundedCache.stats`.
