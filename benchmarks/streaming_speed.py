@@ -1,5 +1,6 @@
 """Token-by-token streaming through the engine against a plain loop over transformers' DynamicCache that
-evicts by the same rule, in one invocation (the cost of a streaming-perplexity sweep on CPU).
+evicts by the same rule, in one invocation, one token of each in turn (the cost of a streaming-perplexity
+sweep on CPU).
 
 The plain loop is what a user would write without the engine: eager attention returns each layer's
 attention row of the new token; the token with the lowest mean attention over all query heads (TOVA) is
@@ -19,33 +20,30 @@ from transformers import DynamicCache
 
 from eval.config import PerplexityTask
 from eval.engine import BoundedCache
+from eval.engine.cache import ENGINE_ATTENTION, register_engine_attention
 from eval.tasks import heldout_documents
 from models import load_backbone
 
 
-@torch.no_grad()
-def engine_stream(model, ids: torch.Tensor, budget: int) -> tuple[float, torch.Tensor]:
+def engine_stream(model, ids: torch.Tensor, budget: int):
+    """Yields (seconds, NLL [B]) per token, streaming through the engine's TOVA."""
     cache = BoundedCache(model, policy="tova", budget=budget, chunk_size=1)
-    nll = []
-    start = time.perf_counter()
     for t in range(ids.shape[1] - 1):
+        start = time.perf_counter()
         logits = model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1].float()
-        nll.append(torch.nn.functional.cross_entropy(logits, ids[:, t + 1], reduction="none"))
-    return time.perf_counter() - start, torch.stack(nll, 1)
+        yield time.perf_counter() - start, torch.nn.functional.cross_entropy(logits, ids[:, t + 1], reduction="none")
 
 
-@torch.no_grad()
-def plain_stream(model, ids: torch.Tensor, budget: int) -> tuple[float, torch.Tensor]:
-    model.set_attn_implementation("eager")
+def plain_stream(model, ids: torch.Tensor, budget: int):
+    """Yields (seconds, NLL [B]) per token from a DynamicCache loop that evicts by TOVA's rule by hand."""
     cache = DynamicCache(config=model.config)
     batch = ids.shape[0]
-    nll = []
-    start = time.perf_counter()
     for t in range(ids.shape[1] - 1):
+        start = time.perf_counter()
         position = torch.full((batch, 1), t, dtype=torch.long)
         out = model(input_ids=ids[:, t:t + 1], position_ids=position, past_key_values=cache, use_cache=True,
                     output_attentions=True)
-        nll.append(torch.nn.functional.cross_entropy(out.logits[:, -1].float(), ids[:, t + 1], reduction="none"))
+        nll = torch.nn.functional.cross_entropy(out.logits[:, -1].float(), ids[:, t + 1], reduction="none")
         for layer, attention in zip(cache.layers, out.attentions):
             held = layer.keys.shape[2]
             if held > budget:  # drop the token the new query attends to least, mean over all query heads
@@ -54,7 +52,25 @@ def plain_stream(model, ids: torch.Tensor, budget: int) -> tuple[float, torch.Te
                 keep = keep[keep != victim[:, None]].view(batch, held - 1)
                 index = keep[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
                 layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
-    return time.perf_counter() - start, torch.stack(nll, 1)
+        yield time.perf_counter() - start, nll
+
+
+@torch.no_grad()
+def interleaved(model, ids: torch.Tensor, budget: int) -> dict[str, tuple[float, torch.Tensor]]:
+    """Both streams one token each in turn (each under its attention implementation, switched outside the
+    timed part), so that a machine whose speed drifts slows both alike. Returns name -> (seconds, NLL [B, T-1])."""
+    register_engine_attention()
+    streams = {"plain": ("eager", plain_stream(model, ids, budget)),
+               "engine": (ENGINE_ATTENTION, engine_stream(model, ids, budget))}
+    totals = {name: [0.0, []] for name in streams}
+    for _ in range(ids.shape[1] - 1):
+        for name, (attention, stream) in streams.items():
+            if model.config._attn_implementation != attention:
+                model.set_attn_implementation(attention)
+            seconds, nll = next(stream)
+            totals[name][0] += seconds
+            totals[name][1].append(nll)
+    return {name: (seconds, torch.stack(nll, 1)) for name, (seconds, nll) in totals.items()}
 
 
 def main() -> None:
@@ -69,8 +85,8 @@ def main() -> None:
           f"{torch.get_num_threads()} threads")
     for batch in args.batches:
         ids = torch.stack(docs[:batch])
-        plain_s, plain_nll = plain_stream(model, ids, args.budget)
-        engine_s, engine_nll = engine_stream(model, ids, args.budget)
+        results = interleaved(model, ids, args.budget)
+        (plain_s, plain_nll), (engine_s, engine_nll) = results["plain"], results["engine"]
         print(f"batch {batch}: plain DynamicCache loop {plain_s:7.1f} s, engine {engine_s:7.1f} s, "
               f"engine speed-up x{plain_s / engine_s:.2f} (target >= 1 at batch 1, > 1 at batch 8); per-token NLL "
               f"max |diff| {float((plain_nll - engine_nll).abs().max()):.2e}, perplexity plain "
