@@ -113,7 +113,7 @@ def save_snapshot(tensors: dict[str, torch.Tensor], folder: str | Path, meta: Sn
     folder, the old snapshot renamed aside, the new one renamed in, the old one removed. A kill at any point
     leaves the old or the new snapshot (see recover_snapshots). Non-finite tensors are refused."""
     folder = Path(folder)
-    bad = [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    bad = _non_finite(tensors)
     if bad:
         raise SnapshotError(f"refusing to write {folder}: {len(bad)} tensor(s) hold NaN or infinite values, e.g. {bad[:3]}")
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -146,6 +146,11 @@ def recover_snapshots(root: str | Path) -> None:
     for staging in root.glob(".*-*"):
         if staging.is_dir():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors holding NaN or infinite values."""
+    return [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
 
 _ASIDE = ".replaced"
@@ -200,7 +205,7 @@ def load_snapshot(folder: str | Path, dtype: str | None = None, device: str = "c
     if missing:
         raise SnapshotError(f"{Path(folder) / WEIGHTS} lacks {len(missing)} of the {len(needed)} tensors that "
                             f"{meta.gate_kind} gates on a {meta.backbone_mode} backbone need, e.g. {missing[:3]}")
-    bad = [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    bad = _non_finite(tensors)
     if bad:
         raise SnapshotError(f"{Path(folder) / WEIGHTS} holds NaN or infinite values in {len(bad)} tensor(s), "
                             f"e.g. {bad[:3]}; the run that wrote it diverged")

@@ -93,19 +93,21 @@ def detach_gates(model: nn.Module) -> nn.Module:
     return model
 
 
-def gate_state(model: nn.Module) -> GateState:
+def _first_gate(model: nn.Module) -> KVGate:
     found = model_gates(model)
     if not found:
         raise GateError("the model has no gates; call models.attach_gates first")
-    return found[0].state
+    return found[0]
+
+
+def gate_state(model: nn.Module) -> GateState:
+    return _first_gate(model).state
 
 
 def gate_settings(model: nn.Module) -> tuple[str, Any]:
     """(kind, settings) of the model's gates."""
-    found = model_gates(model)
-    if not found:
-        raise GateError("the model has no gates; call models.attach_gates first")
-    return model.config.retrokv["kind"], found[0].settings
+    settings = _first_gate(model).settings
+    return model.config.retrokv["kind"], settings
 
 
 def set_gate_mode(model: nn.Module, mode: GateMode | str) -> None:

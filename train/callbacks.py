@@ -3,7 +3,6 @@ CR family) and at the end."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from pathlib import Path
@@ -22,7 +21,7 @@ def snapshot_meta(cfg, step: int, cr: float, fingerprint: str | None = None) -> 
     return SnapshotMeta(
         backbone=cfg.model.backbone, gate_kind=cfg.gate.kind, gate_settings=cfg.gate.settings(),
         backbone_mode=cfg.model.backbone_mode, dtype=cfg.model.dtype,
-        lora=dataclasses.asdict(cfg.model.lora) if cfg.model.backbone_mode == "lora" else None,
+        lora=cfg.model.lora_settings(),
         cr=cr, step=step, recipe=cfg.recipe, config=OmegaConf.to_container(OmegaConf.structured(cfg)),
         backbone_fingerprint=fingerprint)
 

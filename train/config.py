@@ -76,6 +76,10 @@ class ModelConfig:
     architecture: Optional[ArchitectureConfig] = None
     """The backbone's shape for dry runs without a download; None reads the backbone's config."""
 
+    def lora_settings(self) -> dict | None:
+        """peft LoRA settings when the backbone trains through LoRA, else None."""
+        return dataclasses.asdict(self.lora) if self.backbone_mode == "lora" else None
+
 
 def _gate_config() -> type:
     """The gate section: `kind` plus one settings field per registered gate kind."""

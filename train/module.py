@@ -4,7 +4,6 @@ distillation + capacity loss under an annealed compression ratio."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import time
@@ -23,9 +22,8 @@ from train.schedule import schedule_at
 
 def build_gated_model(cfg: RunConfig):
     """Backbone + gates + trainable set, as the recipe says. Returns (model, tokenizer)."""
-    lora = dataclasses.asdict(cfg.model.lora) if cfg.model.backbone_mode == "lora" else None
     return models.build_gated_model(cfg.model.backbone, cfg.gate.kind, cfg.gate.settings(), dtype=cfg.model.dtype,
-                                    backbone_mode=cfg.model.backbone_mode, lora=lora,
+                                    backbone_mode=cfg.model.backbone_mode, lora=cfg.model.lora_settings(),
                                     activation_checkpointing=cfg.model.activation_checkpointing)
 
 
@@ -89,6 +87,7 @@ class RetrofitModule(L.LightningModule):
         out["loss"] = cfg.loss.kl_weight * kl + cfg.loss.ntp_weight * nll + cfg.loss.capacity_weight * out["capacity"]
         if "head_cap" in out:
             out["loss"] = out["loss"] + cfg.loss.head_cap_weight * out["head_cap"]
+        out.update(self.kind.table_statistics(per_layer))
         out["per_layer"] = per_layer
         return out
 

@@ -198,8 +198,11 @@ class BoundedLayer(CacheLayerMixin):
             raise self._overflow()
         pos.scatter_(-1, victim, torch.where(over[..., None], -1, pos.gather(-1, victim)))
         held = count.clamp(max=self.slots)
-        read = visible.sum((2, 3, 4)) if extra is not None else count
-        self._count_step(read * real_count, count - held, held, real_count)
+        read = visible.sum((2, 3, 4)) if extra is not None else count  # [B, Hkv]
+        self._count_reads((read * real_count).sum(), decode=True)
+        self.capacity_evictions += (count - held).sum()
+        self.peak = torch.maximum(self.peak, held.amax(0))
+        self._count_held(real, held)
         self.in_use = n
         return out.view(batch, heads, 1, -1)
 
@@ -254,16 +257,6 @@ class BoundedLayer(CacheLayerMixin):
         self._count_held(real)
         return out.view(batch, heads, c, -1)
 
-    def _count_step(self, reads: torch.Tensor, evicted: torch.Tensor, held: torch.Tensor, real: torch.Tensor) -> None:
-        """A decode step's counters from [B, Hkv] tensors: keys read, forced evictions, tokens held after it."""
-        reads = reads.sum()
-        self.query_reads += reads
-        self.decode_reads += reads
-        self.full_cache_reads += self.real_tokens.sum() * held.shape[1]
-        self.capacity_evictions += evicted.sum()
-        self.peak = torch.maximum(self.peak, held.amax(0))
-        self.held_integral += (held * real).sum(0)
-
     def _count_reads(self, reads: torch.Tensor, decode: bool) -> None:
         """Keys read by this chunk's real queries; a decode step also counts what a full cache would read."""
         self.query_reads += reads
@@ -271,9 +264,10 @@ class BoundedLayer(CacheLayerMixin):
             self.decode_reads += reads
             self.full_cache_reads += self.real_tokens.sum() * self.keys.shape[1]
 
-    def _count_held(self, real: torch.Tensor) -> None:
-        """Add the tokens held after this chunk once per real token in it (memory over time, per KV head)."""
-        held = (self.positions >= 0).sum(-1)  # [B, Hkv]
+    def _count_held(self, real: torch.Tensor, held: torch.Tensor | None = None) -> None:
+        """Add the tokens held after this chunk ([B, Hkv], counted from the slots unless given) once per real
+        token in it (memory over time, per KV head)."""
+        held = (self.positions >= 0).sum(-1) if held is None else held
         self.held_integral += (held * real.sum(-1, keepdim=True)).sum(0)
 
     def _compress_positions(self, chunk: Chunk, slot_keys, keys):

@@ -56,6 +56,10 @@ class Chunk:
         """[B, 1, c, 1] positions of the queries, for broadcasting against candidates."""
         return self.positions[:, None, :, None]
 
+    def distance(self, at: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, Hkv, c, N] t - i from each query (or from positions `at`, [B, 1, c', 1]) to each candidate."""
+        return (self.query_pos if at is None else at) - self.cand_pos[:, :, None, :]
+
     @property
     def held_before(self) -> torch.Tensor:
         """[B, Hkv, N] (or [N]) True for candidates that were in the slots before this chunk."""
@@ -258,8 +262,7 @@ class DMS(Policy):
         st["evict"] &= ~st["sink"]
 
     def visibility(self, chunk):
-        distance = chunk.query_pos - chunk.cand_pos[:, :, None, :]  # [B, Hkv, c, N]
-        return dms.hard_visible(chunk.state["evict"], distance, self.window)[:, :, None]
+        return dms.hard_visible(chunk.state["evict"], chunk.distance(), self.window)[:, :, None]
 
     def keep_scores(self, chunk, probs):
         age_next = chunk.now + 1 - chunk.cand_pos
@@ -301,14 +304,13 @@ class TrimKV(Policy):
     def visibility(self, chunk):
         if self.burst:
             return None
-        distance = chunk.query_pos - chunk.cand_pos[:, :, None, :]  # [B, Hkv, c, N]
+        distance = chunk.distance()
         valid = (distance >= 0) & chunk.cand_ok[:, :, None, :]
         keep = trimkv.topk_visible(chunk.state["log_beta"], valid, distance, self.budget, pinned=chunk.state["sink"])
         return keep[:, :, None]
 
     def keep_scores(self, chunk, probs):
-        distance = chunk.now[:, :, :, None] - chunk.cand_pos[:, :, None, :]  # [B, Hkv, 1, N]
-        score = trimkv.retention_score(chunk.state["log_beta"], distance)[:, :, 0]
+        score = trimkv.retention_score(chunk.state["log_beta"], chunk.distance(at=chunk.now[:, :, :, None]))[:, :, 0]
         return score.masked_fill(chunk.state["sink"], POS)
 
     def evict_to(self):
@@ -369,14 +371,16 @@ def make_policy(policy: str | Policy) -> Policy:
 
 def _gate_settings(model, kind: str):
     """The typed settings of the model's gates, which must be of `kind`."""
-    from models import model_gates
+    from models import GateError, gate_settings
 
-    gates = model_gates(model)
-    have = model.config.retrokv["kind"] if gates else "no gates"
+    try:
+        have, settings = gate_settings(model)
+    except GateError:
+        have, settings = "no gates", None
     if have != kind:
         raise EngineError(f"the {kind} policy needs a model with {kind} gates (models.attach_gates or a "
                           f"checkpoint snapshot); this model has {have}")
-    return gates[0].settings
+    return settings
 
 
 def _sinks_within(kind: str, settings, budget: int) -> int:

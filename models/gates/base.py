@@ -168,6 +168,10 @@ class GateKind:
         """Per-position statistics [B, n, T] of one layer's outputs, averaged by models.gate_statistics."""
         raise NotImplementedError
 
+    def table_statistics(self, table: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Health figures for the training log from models.gate_statistics' [layers, n] table; none by default."""
+        return {}
+
     def kv_reads(self, outputs: list[dict[str, torch.Tensor]], attention_mask: torch.Tensor, settings: Any) -> int:
         """Keys read by the real queries of a teacher-forced batch under hard decisions, over layers and heads."""
         raise NotImplementedError

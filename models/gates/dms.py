@@ -277,16 +277,17 @@ class DMSKind(GateKind):
     def capacity_terms(self, outputs, attention_mask, settings, eviction_target, loss):
         evict_hard = [o["evict_hard"] for o in outputs]
         capacity, achieved = capacity_loss(evict_hard, attention_mask, eviction_target)
-        per_head = torch.stack([masks.mean_over_real(o["evict_hard"].detach(), attention_mask) for o in outputs])
         terms = {"capacity": capacity, "evict_fraction": achieved, "evict_target": torch.tensor(eviction_target),
-                 "uncertain": uncertain_share(outputs, attention_mask),
-                 "saturated_heads": (per_head > SATURATED_EVICTION).sum().float()}
+                 "uncertain": uncertain_share(outputs, attention_mask)}
         if loss.head_cap_weight:
             terms["head_cap"] = head_cap_loss(evict_hard, attention_mask, loss.head_cap)
         return terms
 
     def statistics(self, out):
         return {"evict_fraction": out["evict_hard"].float()}
+
+    def table_statistics(self, table):
+        return {"saturated_heads": (table["evict_fraction"] > SATURATED_EVICTION).sum().float()}
 
     def kv_reads(self, outputs, attention_mask, settings):
         return sum(int(read_keys(out["evict_hard"], attention_mask, settings.window).sum()) for out in outputs)
