@@ -31,3 +31,13 @@ def packaged_file(package: str, relative: str, install: str, error: type[Excepti
     if not path.is_file():
         raise error(f"{path} is missing from the {package} install; reinstall with: {install}")
     return path
+
+
+def retrokv_version() -> str:
+    """The installed RetroKV version, recorded in results and exports ("source" when run uninstalled)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("retrokv")
+    except PackageNotFoundError:
+        return "source"

@@ -1,8 +1,9 @@
 """Gate snapshots: what a retrofit trained (gates, LoRA, DMS neuron rows) plus how to rebuild the model.
 
 A snapshot folder holds `retrokv.json` (backbone, gate kind and settings, backbone mode, CR, step, the
-run config) and `trainable.safetensors`. It is written to a temporary folder and renamed into place, so
-a killed run never leaves half a snapshot.
+run config) and `trainable.safetensors`, or, past `max_shard_size` (a full fine-tune), shards
+`trainable-0000K-of-0000N.safetensors` with `trainable.safetensors.index.json`. It is written to a temporary
+folder and renamed into place, so a killed run never leaves half a snapshot.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from safetensors.torch import load_file, save_file
+from huggingface_hub import save_torch_state_dict
+from safetensors.torch import load_file
 
 META = "retrokv.json"
-WEIGHTS = "trainable.safetensors"
+WEIGHTS = "trainable.safetensors"  # one file; shards follow huggingface_hub's pattern with an index beside it
+WEIGHTS_INDEX = f"{WEIGHTS}.index.json"
+SHARD_SIZE = "5GB"
 
 
 class SnapshotError(ValueError):
@@ -51,7 +55,7 @@ class SnapshotMeta:
     config: dict = dataclasses.field(default_factory=dict)
     """The whole resolved run config (provenance; its data section names the held-out split)."""
     backbone_fingerprint: Optional[str] = None
-    """models.backbone.weights_fingerprint of the base weights; loading checks it when present."""
+    """models.fingerprint.weights_fingerprint of the base weights; loading checks it when present."""
 
     @classmethod
     def from_json(cls, values: Any, source: str | Path) -> "SnapshotMeta":
@@ -96,22 +100,30 @@ def _type_names(expected) -> str:
                        for t in types)
 
 
-def trained_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The trainable parameters as full CPU tensors. Under DeepSpeed ZeRO-3 they are partitioned, so they
-    are gathered first: a collective, so every rank must call this, even if only one writes."""
+def trained_tensors(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The trainable parameters as full CPU tensors (empty where `keep` is False). Under DeepSpeed ZeRO-3 they
+    are partitioned and gathered one at a time: a collective, so every rank must call this, but only the
+    writing rank (`keep`) holds the copy, and no rank holds more than one gathered parameter at once."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if any(hasattr(p, "ds_id") for _, p in params):
-        import deepspeed
+    if not any(hasattr(p, "ds_id") for _, p in params):
+        # copies: on CPU a parameter may be a view into a strategy's flat buffer, which safetensors refuses
+        return {n: p.detach().to("cpu", copy=True).contiguous() for n, p in params} if keep else {}
+    import deepspeed
 
-        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
-            return {n: p.detach().to("cpu").clone() for n, p in params}
-    return {n: p.detach().to("cpu").contiguous() for n, p in params}
+    tensors = {}
+    for name, param in params:
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            if keep:
+                tensors[name] = param.detach().to("cpu").clone()
+    return tensors
 
 
-def save_snapshot(tensors: dict[str, torch.Tensor], folder: str | Path, meta: SnapshotMeta) -> Path:
+def save_snapshot(tensors: dict[str, torch.Tensor], folder: str | Path, meta: SnapshotMeta,
+                  max_shard_size: int | str = SHARD_SIZE) -> Path:
     """Write `tensors` (see trained_tensors) and `meta` as a snapshot folder, atomically: written to a staging
     folder, the old snapshot renamed aside, the new one renamed in, the old one removed. A kill at any point
-    leaves the old or the new snapshot (see recover_snapshots). Non-finite tensors are refused."""
+    leaves the old or the new snapshot (see recover_snapshots). Non-finite tensors are refused; tensors past
+    `max_shard_size` are split into shards."""
     folder = Path(folder)
     bad = _non_finite(tensors)
     if bad:
@@ -120,9 +132,10 @@ def save_snapshot(tensors: dict[str, torch.Tensor], folder: str | Path, meta: Sn
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     aside = _aside(folder)
     try:
-        save_file(tensors, str(staging / WEIGHTS))
+        save_torch_state_dict(tensors, staging, filename_pattern=WEIGHTS.replace(".safetensors", "{suffix}.safetensors"),
+                              max_shard_size=max_shard_size)
         (staging / META).write_text(json.dumps(meta.to_json(), indent=2, sort_keys=True, default=str))
-        _apply_umask(staging)
+        apply_umask(staging)
         shutil.rmtree(aside, ignore_errors=True)
         if folder.exists():
             os.replace(folder, aside)
@@ -160,7 +173,7 @@ def _aside(folder: Path) -> Path:
     return folder.parent / f".{folder.name}{_ASIDE}"
 
 
-def _apply_umask(folder: Path) -> None:
+def apply_umask(folder: Path) -> None:
     """mkdtemp and safetensors create owner-only modes; give the folder and its files the user's usual ones."""
     umask = os.umask(0)
     os.umask(umask)
@@ -192,10 +205,7 @@ def load_snapshot(folder: str | Path, dtype: str | None = None, device: str = "c
         raise SnapshotError(f"{folder} was trained on backbone {meta.backbone!r} with weights fingerprint "
                             f"{meta.backbone_fingerprint}, but that name now loads weights with fingerprint {loaded}: a "
                             "different model or revision; load the snapshot on the weights it was trained on")
-    try:
-        tensors = load_file(str(Path(folder) / WEIGHTS), device=device)
-    except Exception as err:  # safetensors raises several types for truncated or garbled files
-        raise SnapshotError(f"{Path(folder) / WEIGHTS} is corrupt or missing: {err}") from None
+    tensors = read_tensors(Path(folder), device)
     params = dict(model.named_parameters())
     unknown = sorted(set(tensors) - set(params))
     if unknown:
@@ -216,6 +226,25 @@ def load_snapshot(folder: str | Path, dtype: str | None = None, device: str = "c
             params[name].copy_(value.to(params[name].dtype))
     model.requires_grad_(False)
     return model.eval(), tokenizer, meta
+
+
+def read_tensors(folder: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """A snapshot's tensors, from one file or from the shards its index lists."""
+    index = folder / WEIGHTS_INDEX
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as err:
+            raise SnapshotError(f"{index} is corrupt: {err!r}") from None
+    else:
+        files = [WEIGHTS]
+    tensors = {}
+    for name in files:
+        try:
+            tensors.update(load_file(str(folder / name), device=device))
+        except Exception as err:  # safetensors raises several types for truncated or garbled files
+            raise SnapshotError(f"{folder / name} is corrupt or missing: {err}") from None
+    return tensors
 
 
 def list_snapshots(run_dir: str | Path) -> list[tuple[Path, dict]]:

@@ -25,6 +25,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from assets import retrokv_version
 from eval import tasks as T
 from eval.config import EvalConfig
 from eval.costs import CostMeter, matched_budget
@@ -346,13 +347,5 @@ def _atomic_write(path: Path, data: bytes) -> None:
 def _versions() -> dict:
     import transformers
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "retrokv": _retrokv_version()}
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "retrokv": retrokv_version()}
 
-
-def _retrokv_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("retrokv")
-    except PackageNotFoundError:
-        return "source"

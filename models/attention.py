@@ -19,6 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTENTION_NAME = "retrokv"
+GATE_ATTRIBUTE = "kv_gate"  # the attention submodule that holds a layer's gate (models.gating attaches it)
 _BACKEND_ENV = "RETROKV_ATTENTION"  # "sdpa" or "flex"; default: flex on CUDA, sdpa elsewhere
 
 
@@ -51,7 +52,7 @@ def attention_backend(device: torch.device) -> str:
 
 
 def gated_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    gate = getattr(module, "kv_gate", None)
+    gate = getattr(module, GATE_ATTRIBUTE, None)
     if gate is None or not gate.active:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     batch, _, q_len, head_dim = query.shape

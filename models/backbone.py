@@ -7,7 +7,6 @@ loads are plain safetensors loads (well under a second).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -67,19 +66,6 @@ def resolve_backbone_path(name_or_path: str) -> str:
     if name_or_path.lower() == EMBEDDED_NAME:
         return str(embedded_model_dir())
     return name_or_path
-
-
-def weights_fingerprint(model: torch.nn.Module, samples: int = 1024) -> str:
-    """A short hash of the model's weights: names, shapes and an evenly strided sample of each tensor's
-    values rounded to bfloat16 (so a float32 and a bfloat16 load of the same weights agree). It tells two
-    models with the same architecture apart at a fraction of a full hash's cost."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        flat = tensor.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // samples)][:samples].to(torch.bfloat16).float().cpu()
-        digest.update(f"{name}{tuple(tensor.shape)}".encode())
-        digest.update(sample.numpy().tobytes())
-    return digest.hexdigest()[:16]
 
 
 def load_backbone_config(name_or_path: str):

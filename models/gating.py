@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from models import masks
-from models.attention import ATTENTION_NAME, register_attention
+from models.attention import ATTENTION_NAME, GATE_ATTRIBUTE, register_attention
 from models.gates import GateError, GateMode, GateState, KVGate, gate_kind
+from models.masks import mean_over_real
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 _ORIGINAL_ATTENTION = "_retrokv_original_attention"  # the attention implementation attach_gates replaced
@@ -67,7 +67,7 @@ def attach_gates(model: nn.Module, kind: str = "dms", **settings: Any) -> nn.Mod
     for idx, layer in enumerate(decoder_layers(model)):
         # gates train in float32 whatever the backbone's dtype: they are tiny and AdamW needs the precision
         gate = gate_type(config, idx, state, parsed).to(device=ref.device, dtype=torch.float32)
-        layer.self_attn.kv_gate = gate
+        setattr(layer.self_attn, GATE_ATTRIBUTE, gate)
         gate.install_hooks(layer)
     model.retrokv_state = state
     config.retrokv = {"kind": kind, **dataclasses.asdict(parsed)}
@@ -86,7 +86,7 @@ def detach_gates(model: nn.Module) -> nn.Module:
     for gate in gates:
         gate.remove_hooks()
     for layer in decoder_layers(model):
-        del layer.self_attn.kv_gate
+        delattr(layer.self_attn, GATE_ATTRIBUTE)
     del model.retrokv_state
     del model.config.retrokv
     model.set_attn_implementation(model.__dict__.pop(_ORIGINAL_ATTENTION))
@@ -148,6 +148,6 @@ def gate_statistics(model: nn.Module, attention_mask: torch.Tensor | None = None
             continue
         for name, value in kind.statistics(gate.outputs).items():
             value = value.detach()
-            mean = masks.mean_over_real(value, attention_mask) if attention_mask is not None else value.mean((0, 2))
+            mean = mean_over_real(value, attention_mask) if attention_mask is not None else value.mean((0, 2))
             stats.setdefault(name, []).append(mean)
     return {name: torch.stack(rows) for name, rows in stats.items()}

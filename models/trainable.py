@@ -9,7 +9,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from models.backbone import load_backbone, weights_fingerprint
+from models.backbone import load_backbone
+from models.fingerprint import weights_fingerprint
 from models.gates import GateError, KVGate
 from models.gating import attach_gates, decoder_layers, model_gates
 

@@ -1,10 +1,12 @@
-"""Snapshot metadata: a typed schema that names the file and the bad key."""
+"""Snapshot metadata (a typed schema that names the file and the bad key) and sharded snapshot tensors."""
 
 import json
 
 import pytest
+import torch
 
-from checkpoints import SnapshotError, SnapshotMeta, read_meta
+from checkpoints import SnapshotError, SnapshotMeta, read_meta, save_snapshot, trained_tensors
+from checkpoints.snapshot import WEIGHTS_INDEX, read_tensors
 
 
 def write_meta(folder, values) -> None:
@@ -40,3 +42,24 @@ def test_junk_metadata_is_named(tmp_path, values, message, capsys):
 
     assert main(["show", str(tmp_path)]) == 2
     assert str(tmp_path / "retrokv.json") in capsys.readouterr().err
+
+
+def test_large_snapshots_are_sharded_and_read_back(tmp_path):
+    tensors = {f"layer{i}.weight": torch.randn(64, 64) for i in range(6)}  # 16 KB each
+    meta = SnapshotMeta(backbone="b", gate_kind="dms", gate_settings={})
+    folder = save_snapshot(tensors, tmp_path / "s", meta, max_shard_size="40KB")
+    shards = sorted(p.name for p in folder.glob("trainable-*.safetensors"))
+    assert len(shards) == 3 and (folder / WEIGHTS_INDEX).is_file() and not (folder / "trainable.safetensors").exists()
+    back = read_tensors(folder)
+    assert back.keys() == tensors.keys() and all(torch.equal(back[k], tensors[k]) for k in tensors)
+    (folder / shards[1]).write_bytes(b"garbage")
+    with pytest.raises(SnapshotError, match=f"{shards[1]} is corrupt or missing"):
+        read_tensors(folder)
+    small = save_snapshot(tensors, tmp_path / "one", meta)
+    assert [p.name for p in small.glob("*.safetensors")] == ["trainable.safetensors"]
+
+
+def test_only_the_writing_rank_keeps_a_copy_of_the_trained_tensors():
+    model = torch.nn.Linear(3, 2)
+    model.bias.requires_grad_(False)
+    assert list(trained_tensors(model)) == ["weight"] and trained_tensors(model, keep=False) == {}

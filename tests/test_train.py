@@ -84,10 +84,14 @@ def test_default_recipe_trains_and_writes_the_cr_family(tiny_backbone, tmp_path)
 
 def test_trimkv_and_lora_recipes_train(tiny_backbone, tmp_path):
     cfg = load_recipe("trimkv_smollm2_m128", overrides(tiny_backbone, tmp_path / "t", **{
-        "trainer.max_steps": 3, "gate.trimkv.budget": 8, "gate.trimkv.hidden": 16, "data.chat_template": "false"}))
+        "trainer.max_steps": 3, "gate.trimkv.budget": 8, "gate.trimkv.hidden": 16, "data.chat_template": "false",
+        "trainer.snapshot_every_n_steps": 2, "trainer.checkpoint_every_n_steps": 1, "trainer.keep_checkpoints": 1}))
     assert train(cfg)["steps"] == 3
     occupancy = scalars(tmp_path / "t", "train/occupancy")
     assert len(occupancy) == 3 and all(v > 0 for v in occupancy.values())
+    # TRIM-KV has no CR family: scheduled snapshots; and only the newest Lightning checkpoint is kept
+    assert sorted(p.name for p in (tmp_path / "t" / "snapshots").iterdir()) == ["final", "step000002"]
+    assert sorted(p.name for p in (tmp_path / "t" / "resume_state").iterdir()) == ["last.ckpt", "step000003.ckpt"]
     lora = load_recipe("dms_smollm2_cr4", overrides(tiny_backbone, tmp_path / "l", **{
         "model.backbone_mode": "lora", "trainer.max_steps": 2, "model.lora.target_modules": "[q_proj,v_proj]"}))
     assert train(lora)["steps"] == 2
@@ -167,6 +171,15 @@ def test_deepspeed_zero_on_two_cpu_processes_matches_one_process(tiny_backbone, 
     single_model, _, _ = load_snapshot(single / "snapshots" / "final")
     for (name, p), (_, q) in zip(model.named_parameters(), single_model.named_parameters()):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=name)
+    # and export as Hugging Face folders that load back to the same gated model
+    import models
+    from checkpoints import export_snapshot
+
+    exported = models.from_pretrained(str(export_snapshot(zero / "snapshots" / "final", tmp_path / "export")))
+    ids = torch.randint(0, 100, (1, 40), generator=torch.Generator().manual_seed(0))
+    models.set_gate_mode(model, "infer")
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, model(ids).logits)
 
 
 # train/loss of the first steps of the tiny runs below, recorded on 2026-11-30 with the code before the gate

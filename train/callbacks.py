@@ -1,5 +1,5 @@
-"""Training callbacks: atomic Lightning checkpoints, and a gate snapshot at every integer CR reached (the
-CR family) and at the end."""
+"""Training callbacks: atomic Lightning checkpoints, and gate snapshots: at every integer CR reached (the
+CR family), every `trainer.snapshot_every_n_steps` steps if set, and at the end."""
 
 from __future__ import annotations
 
@@ -27,10 +27,12 @@ def snapshot_meta(cfg, step: int, cr: float, fingerprint: str | None = None) -> 
 
 
 class CRFamilySnapshots(L.Callback):
-    """Writes snapshots/cr{k} when the CR schedule first reaches integer k, and snapshots/final at the end."""
+    """Writes snapshots/cr{k} when the CR schedule first reaches integer k, snapshots/step{n} every `every`
+    steps (0: never; kinds without a CR schedule, such as TRIM-KV, use it), and snapshots/final at the end."""
 
-    def __init__(self, output_dir: str | Path):
+    def __init__(self, output_dir: str | Path, every: int = 0):
         self.root = Path(output_dir) / "snapshots"
+        self.every = every
 
     def on_fit_start(self, trainer, module):
         if trainer.is_global_zero and self.root.is_dir():
@@ -47,12 +49,15 @@ class CRFamilySnapshots(L.Callback):
         if gate_kind(cfg.gate.kind).anneals_cr:
             for k in crossed:
                 self._save(trainer, module, f"cr{k}", float(k))
+        if self.every and done % self.every == 0:
+            self._save(trainer, module, f"step{done:06d}", current)
 
     def on_train_end(self, trainer, module):
         self._save(trainer, module, "final", schedule_at(max(trainer.global_step - 1, 0), module.cfg.schedule).cr)
 
     def _save(self, trainer, module, name: str, cr: float) -> None:
-        tensors = trained_tensors(module.model)  # every rank: gathering ZeRO-3 partitions is collective
+        # every rank takes part in gathering ZeRO-3 partitions; only the writing rank keeps a copy
+        tensors = trained_tensors(module.model, keep=trainer.is_global_zero)
         if trainer.is_global_zero:
             fingerprint = module.model.config.retrokv.get("backbone_fingerprint")
             save_snapshot(tensors, self.root / name, snapshot_meta(module.cfg, trainer.global_step, cr, fingerprint))

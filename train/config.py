@@ -177,6 +177,10 @@ class TrainerConfig:
     """Steps between held-out validations (None: once, at the end)."""
     checkpoint_every_n_steps: int = 50
     """Steps between Lightning checkpoints (for resume=auto)."""
+    keep_checkpoints: int = 3
+    """Lightning checkpoints kept besides last.ckpt, newest first (-1: all); a 7B full fine-tune's are ~100 GB each."""
+    snapshot_every_n_steps: int = 0
+    """Steps between extra gate snapshots snapshots/step{n} (0: only the CR family and final)."""
     enable_progress_bar: bool = True
     """Show Lightning's progress bar."""
 
@@ -262,8 +266,12 @@ def validate(config: RunConfig) -> None:
     _at_least(tree, 0, "data.eval_samples", "data.num_workers", "schedule.hold_steps", "schedule.neuron_warmup_steps",
               "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "loss.kl_weight", "loss.ntp_weight",
               "loss.capacity_weight")
+    _at_least(tree, 0, "trainer.snapshot_every_n_steps")
     if config.trainer.val_check_interval is not None:
         _at_least(tree, 1, "trainer.val_check_interval")
+    if config.trainer.keep_checkpoints < -1:
+        raise RecipeError(f"trainer.keep_checkpoints={config.trainer.keep_checkpoints} is invalid; valid: -1 (keep all), "
+                          "0 (only last.ckpt) or a count >= 1")
     if config.loss.temperature <= 0:
         raise RecipeError(f"loss.temperature={config.loss.temperature} is invalid; it must be > 0 (1 leaves the logits as "
                           "they are)")

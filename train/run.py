@@ -89,7 +89,8 @@ def dry_run(cfg: RunConfig) -> dict:
 
 # what a resumed run may change: how long it runs and how it reports, never what it computes
 RESUMABLE_CHANGES = ("resume", "output_dir", "trainer.max_steps", "trainer.log_every_n_steps", "trainer.enable_progress_bar",
-                     "trainer.val_check_interval", "trainer.checkpoint_every_n_steps", "data.num_workers")
+                     "trainer.val_check_interval", "trainer.checkpoint_every_n_steps", "trainer.keep_checkpoints",
+                     "trainer.snapshot_every_n_steps", "data.num_workers")
 
 
 def _check_output_dir(cfg: RunConfig) -> str | None:
@@ -203,9 +204,11 @@ def train(cfg: RunConfig) -> dict:
         num_sanity_val_steps=0,
         logger=TensorBoardLogger(save_dir=str(out), name="tensorboard", version=""),
         callbacks=[
+            # the newest `keep_checkpoints` by step (Lightning's way to keep the last K), plus last.ckpt
             AtomicModelCheckpoint(dirpath=out / RESUME_DIR, every_n_train_steps=t.checkpoint_every_n_steps,
-                            save_last=True, save_top_k=-1, filename="step{step:06d}", auto_insert_metric_name=False),
-            CRFamilySnapshots(out),
+                                  save_last=True, save_top_k=t.keep_checkpoints, monitor="step", mode="max",
+                                  filename="step{step:06d}", auto_insert_metric_name=False),
+            CRFamilySnapshots(out, every=t.snapshot_every_n_steps),
             LearningRateMonitor(logging_interval="step"),
         ],
         enable_progress_bar=t.enable_progress_bar,

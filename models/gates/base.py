@@ -16,7 +16,8 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
-from models import masks
+from models.masks import masked_value
+from models.masks import sink_keys as first_real_keys
 
 
 class GateError(ValueError):
@@ -137,7 +138,7 @@ class KVGate(nn.Module):
 
     def sink_keys(self, valid: torch.Tensor) -> torch.Tensor:
         """[B, 1, Tk] True for the sequence's first `sinks` real keys, which are never evicted."""
-        return masks.sink_keys(valid, self.settings.sinks)[:, None]
+        return first_real_keys(valid, self.settings.sinks)[:, None]
 
     def attention_bias(self, valid: torch.Tensor, q_len: int, k_len: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive float bias [B, n, Tq, Tk] with the causal/padding pattern `valid` ([B, 1, Tq, Tk]) folded in."""
@@ -183,4 +184,4 @@ def at_least_float32(x: torch.Tensor) -> torch.Tensor:
 
 
 def visible_to_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, masks.masked_value(dtype))
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, masked_value(dtype))

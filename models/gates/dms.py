@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import masks
 from models.gates.base import (
     GateError,
     GateKind,
@@ -25,6 +24,7 @@ from models.gates.base import (
     at_least_float32,
     visible_to_bias,
 )
+from models.masks import masked_value, query_key_distance
 
 
 @dataclasses.dataclass
@@ -108,7 +108,7 @@ def log_keep_from_logit(noisy_logit: torch.Tensor) -> torch.Tensor:
 def read_keys(key_evicted: torch.Tensor, attention_mask: torch.Tensor, window: int) -> torch.Tensor:
     """Keys each real query reads under hard decisions (the attention mask's own rule): [B, n, T]."""
     length = attention_mask.shape[1]
-    distance = masks.query_key_distance(length, length, attention_mask.device)
+    distance = query_key_distance(length, length, attention_mask.device)
     real = attention_mask.bool()
     valid = (distance >= 0) & real[:, None, None, :] & real[:, None, :, None]
     return (valid & hard_visible(key_evicted.bool(), distance, window)).sum(-1)
@@ -196,14 +196,14 @@ class DMSGate(KVGate):
 
     def attention_bias(self, valid, q_len, k_len, dtype):
         per_key = self._decide(valid, q_len, k_len)
-        distance = masks.query_key_distance(q_len, k_len, per_key.device)
+        distance = query_key_distance(q_len, k_len, per_key.device)
         if self.state.mode is GateMode.TRAIN:
-            return soft_bias(per_key, distance, self.settings.window).to(dtype).masked_fill(~valid, masks.masked_value(dtype))
+            return soft_bias(per_key, distance, self.settings.window).to(dtype).masked_fill(~valid, masked_value(dtype))
         return visible_to_bias(valid & hard_visible(per_key, distance, self.settings.window), dtype)
 
     def attention_score_mod(self, valid, q_len, k_len, dtype) -> ScoreMod:
         per_key = self._decide(valid, q_len, k_len)
-        w, past, low, group = self.settings.window, k_len - q_len, masks.masked_value(dtype), self.query_group()
+        w, past, low, group = self.settings.window, k_len - q_len, masked_value(dtype), self.query_group()
         if self.state.mode is GateMode.TRAIN:
             def soft_mod(score, b, h, q, kv):
                 decayed = score + torch.where(q + past - kv > w, per_key[b, h // group, kv], 0.0)

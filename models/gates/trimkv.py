@@ -14,7 +14,6 @@ import dataclasses
 import torch
 from torch import nn
 
-from models import masks
 from models.gates.base import (
     GateError,
     GateKind,
@@ -25,6 +24,7 @@ from models.gates.base import (
     at_least_float32,
     visible_to_bias,
 )
+from models.masks import masked_value, query_key_distance
 
 
 @dataclasses.dataclass
@@ -108,7 +108,7 @@ class TrimKVGate(KVGate):
         """Sets `outputs`; returns (log beta [B, n, Tk] with sinks at 0, distance, soft decay, sinks)."""
         sink = self.sink_keys(valid)
         log_beta = self._sequence_values(q_len, k_len).masked_fill(sink, 0.0)  # a sink never decays
-        distance = masks.query_key_distance(q_len, k_len, log_beta.device)
+        distance = query_key_distance(q_len, k_len, log_beta.device)
         decay = retention_score(log_beta, distance)  # [B, Hkv, Tq, Tk], shared by occupancy and bias
         self.outputs = {"log_beta": log_beta, "occupancy": occupancy_from_decay(decay, valid)}
         return log_beta, distance, decay, sink
@@ -118,14 +118,14 @@ class TrimKVGate(KVGate):
         if self.multiplicative:
             return visible_to_bias(valid, dtype)  # the decay multiplies logits in the eager path instead
         if self.state.mode is GateMode.TRAIN:
-            return decay.to(dtype).masked_fill(~valid, masks.masked_value(dtype))
+            return decay.to(dtype).masked_fill(~valid, masked_value(dtype))
         return visible_to_bias(topk_visible(log_beta, valid, distance, self.settings.budget, pinned=sink), dtype)
 
     def attention_score_mod(self, valid, q_len, k_len, dtype) -> ScoreMod:
         if self.multiplicative:
             raise GateError("multiplicative TRIM-KV decay scales logits and has no score_mod; use the eager path")
         log_beta, distance, _, sink = self._retention(valid, q_len, k_len)
-        low, past, group = masks.masked_value(dtype), k_len - q_len, self.query_group()
+        low, past, group = masked_value(dtype), k_len - q_len, self.query_group()
         if self.state.mode is GateMode.TRAIN:
             def decay_mod(score, b, h, q, kv):
                 decayed = score + (q + past - kv).clamp(min=0) * log_beta[b, h // group, kv]
@@ -137,7 +137,7 @@ class TrimKVGate(KVGate):
 
     def decay_factor(self, q_len: int, k_len: int) -> torch.Tensor:
         """beta_i ** (t - i), for the multiplicative variant that scales attention logits."""
-        distance = masks.query_key_distance(q_len, k_len, self.outputs["log_beta"].device)
+        distance = query_key_distance(q_len, k_len, self.outputs["log_beta"].device)
         return torch.exp(retention_score(self.outputs["log_beta"], distance))
 
 
