@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--all", action="store_true", help="every snapshot of the run")
     export.add_argument("--gates-only", action="store_true",
                         help="store the trained tensors and a reference to the base model (frozen backbones)")
+    export.add_argument("--lora", choices=("merged", "separate"), default="merged",
+                        help="a LoRA snapshot's adapters: merged into the weights (default), or a separate peft adapter "
+                             "beside the gates and a base reference")
     export.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
     push = sub.add_parser("push", help="upload an exported folder (or a CR family folder) to the Hugging Face Hub")
     push.add_argument("folder")
@@ -51,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
             start = time.perf_counter()
             written = export_run(args.source, args.out, cr=args.cr, every=args.all, gates_only=args.gates_only,
-                                 max_shard_size=args.max_shard_size)
+                                 lora=args.lora, max_shard_size=args.max_shard_size)
             for folder in written:
                 print(f"{folder}\t{folder_size(folder) / 1e6:.1f} MB")
             print(f"exported {len(written)} folder(s) in {time.perf_counter() - start:.1f} s")

@@ -80,10 +80,15 @@ def write_modeling_code(folder: Path) -> None:
         (folder / f"{flat}.py").write_text(flat_source(module))
 
 
-def export_snapshot(snapshot: str | Path, out: str | Path, *, gates_only: bool = False, max_shard_size: str = "5GB",
-                    family: list[str] | None = None) -> Path:
-    """Write `snapshot` as a Hugging Face folder at `out` (which must not exist). `family` names the sibling
-    exports of one run, for the model card."""
+LORA_FORMS = ("merged", "separate")
+LORA_FOLDER = "lora"  # a separate LoRA adapter's subfolder (peft's format; not the top level, which peft would claim)
+
+
+def export_snapshot(snapshot: str | Path, out: str | Path, *, gates_only: bool = False, lora: str = "merged",
+                    max_shard_size: str = "5GB", family: list[str] | None = None) -> Path:
+    """Write `snapshot` as a Hugging Face folder at `out` (which must not exist). A LoRA snapshot's adapters are
+    merged into the weights, or (`lora="separate"`) kept as a peft adapter beside the gates and a base
+    reference. `family` names the sibling exports of one run, for the model card."""
     from models.backbone import resolve_backbone_path
     from models.pretrained import FORMAT_VERSION, FULL, GATED_CLASSES, GATES_FILE, GATES_ONLY
 
@@ -91,11 +96,19 @@ def export_snapshot(snapshot: str | Path, out: str | Path, *, gates_only: bool =
     if out.exists():
         raise ExportError(f"{out} already exists; choose another --out or remove it")
     meta = read_meta(snapshot)
+    if lora not in LORA_FORMS:
+        raise ExportError(f"--lora {lora!r} is invalid; valid: {list(LORA_FORMS)}")
+    separate = lora == "separate"
+    if separate and meta.backbone_mode != "lora":
+        raise ExportError(f"--lora separate applies to LoRA snapshots; {snapshot} trained a {meta.backbone_mode} backbone")
     if gates_only and meta.backbone_mode != "frozen":
         raise ExportError(f"{snapshot} trained a {meta.backbone_mode} backbone, so its weights are not the base model's; "
-                          "--gates-only needs a frozen backbone; export without it (full weights)")
+                          "--gates-only needs a frozen backbone (for LoRA: --lora separate); export without it")
+    gates_only = gates_only or separate
     model, tokenizer, meta = load_snapshot(snapshot)
-    if meta.backbone_mode == "lora":
+    if separate:
+        adapter, model = model, model.get_base_model()
+    elif meta.backbone_mode == "lora":
         model = _merge_lora(model)
     config = model.config
     cls = GATED_CLASSES[config.model_type]
@@ -103,14 +116,17 @@ def export_snapshot(snapshot: str | Path, out: str | Path, *, gates_only: bool =
     config.retrokv = {**config.retrokv, "format_version": FORMAT_VERSION, "weights": GATES_ONLY if gates_only else FULL,
                       "backbone": meta.backbone, "base_model": str(Path(base).resolve()) if Path(base).is_dir() else base,
                       "base_revision": getattr(config, "_commit_hash", None), "backbone_mode": meta.backbone_mode,
-                      "lora": meta.lora, "cr": meta.cr, "step": meta.step, "recipe": meta.recipe}
+                      "lora": meta.lora, "lora_adapter": LORA_FOLDER if separate else None, "cr": meta.cr,
+                      "step": meta.step, "recipe": meta.recipe}
     config.auto_map = {"AutoModelForCausalLM": f"{REMOTE_MODULES['models.pretrained']}.{cls.__name__}"}
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         if gates_only:
-            # exactly what the run trained: the gates, and q_proj where a DMS query neuron lives
-            save_file(read_tensors(snapshot), str(staging / GATES_FILE), metadata={"format": "pt"})
+            # what the run trained besides LoRA: the gates, and q_proj where a DMS query neuron lives
+            save_file(_outside_peft(read_tensors(snapshot)), str(staging / GATES_FILE), metadata={"format": "pt"})
+            if separate:
+                adapter.save_pretrained(staging / LORA_FOLDER)
         else:
             model.save_pretrained(staging, max_shard_size=max_shard_size)
         config.architectures = [cls.__name__]
@@ -127,6 +143,17 @@ def export_snapshot(snapshot: str | Path, out: str | Path, *, gates_only: bool =
     return out
 
 
+def _outside_peft(tensors: dict) -> dict:
+    """Tensor names as the unwrapped model has them (peft's wrapper prefix and base_layer dropped), LoRA's own
+    tensors left out (they go to the adapter folder)."""
+    plain = {}
+    for name, tensor in tensors.items():
+        if ".lora_" in name:
+            continue
+        plain[name.removeprefix("base_model.model.").replace(".base_layer.", ".")] = tensor
+    return plain
+
+
 def _merge_lora(model):
     """Fold the LoRA adapters into the base weights; the gates listen to the merged layers again."""
     from models.gating import decoder_layers, model_gates
@@ -138,14 +165,14 @@ def _merge_lora(model):
 
 
 def export_run(source: str | Path, out: str | Path, *, cr: int | None = None, every: bool = False,
-               gates_only: bool = False, max_shard_size: str = "5GB") -> list[Path]:
+               gates_only: bool = False, lora: str = "merged", max_shard_size: str = "5GB") -> list[Path]:
     """Export a snapshot folder, or from a run folder its final snapshot, the one of CR `cr`, or (`every`) its
     whole CR family as out/<snapshot name>/."""
     source = Path(source)
     if (source / META).is_file():
         if cr is not None or every:
             raise ExportError(f"{source} is one snapshot; --cr and --all choose among a run folder's snapshots")
-        return [export_snapshot(source, out, gates_only=gates_only, max_shard_size=max_shard_size)]
+        return [export_snapshot(source, out, gates_only=gates_only, lora=lora, max_shard_size=max_shard_size)]
     if not source.is_dir():
         raise ExportError(f"{source} does not exist; pass a run folder (with snapshots/) or a snapshot folder")
     found = list_snapshots(source)
@@ -155,12 +182,13 @@ def export_run(source: str | Path, out: str | Path, *, cr: int | None = None, ev
     names = [folder.name for folder, _ in found]
     if every:
         Path(out).mkdir(parents=True, exist_ok=True)
-        return [export_snapshot(folder, Path(out) / folder.name, gates_only=gates_only, max_shard_size=max_shard_size,
-                                family=names) for folder in (f for f, _ in found)]
+        return [export_snapshot(folder, Path(out) / folder.name, gates_only=gates_only, lora=lora,
+                                max_shard_size=max_shard_size, family=names) for folder, _ in found]
     wanted = "final" if cr is None else f"cr{cr}"
     if wanted not in names:
         raise ExportError(f"{source} has no snapshot {wanted!r}; it has {names}")
-    return [export_snapshot(source / "snapshots" / wanted, out, gates_only=gates_only, max_shard_size=max_shard_size)]
+    return [export_snapshot(source / "snapshots" / wanted, out, gates_only=gates_only, lora=lora,
+                            max_shard_size=max_shard_size)]
 
 
 def model_card(snapshot: Path, meta: SnapshotMeta, section: dict, family: list[str] | None) -> str:
@@ -198,7 +226,8 @@ def model_card(snapshot: Path, meta: SnapshotMeta, section: dict, family: list[s
         lines.append(f"| data | `{data_cfg.get('source')}`, {data_cfg.get('train_samples')} samples, rows of "
                      f"{data_cfg.get('max_length')} tokens |")
     if meta.lora:
-        lines.append(f"| LoRA (merged into the weights) | `{json.dumps(meta.lora, sort_keys=True)}` |")
+        where = f"separate, peft adapter in `{LORA_FOLDER}/`" if section.get("lora_adapter") else "merged into the weights"
+        lines.append(f"| LoRA ({where}) | `{json.dumps(meta.lora, sort_keys=True)}` |")
     lines.append("")
     per_layer = _layer_statistics(snapshot, meta.step)
     if per_layer:
@@ -207,6 +236,13 @@ def model_card(snapshot: Path, meta: SnapshotMeta, section: dict, family: list[s
         for layer, row in enumerate(per_layer["rows"]):
             lines.append(f"| {layer} | " + " | ".join(f"{v:.3f}" for v in row) + " |")
         lines.append("")
+    summary = snapshot.parent.parent / "summary.json"
+    if summary.is_file():
+        values = json.loads(summary.read_text())
+        held_out = {k: v for k, v in values.items() if k.startswith("val/")}
+        if values.get("steps") == meta.step and held_out:
+            lines += ["## Held-out validation at the end of training", "", "| metric | value |", "|---|---|",
+                      *(f"| `{k}` | {v:.4g} |" for k, v in sorted(held_out.items())), ""]
     for path in sorted((snapshot / "eval").glob("*.json")):
         lines += [f"## Evaluation: `{path.stem}`", "", "```json", path.read_text().strip(), "```", ""]
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))

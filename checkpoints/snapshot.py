@@ -174,12 +174,11 @@ def _aside(folder: Path) -> Path:
 
 
 def apply_umask(folder: Path) -> None:
-    """mkdtemp and safetensors create owner-only modes; give the folder and its files the user's usual ones."""
+    """mkdtemp and safetensors create owner-only modes; give the folder and what it holds the user's usual ones."""
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(folder, 0o777 & ~umask)
-    for path in folder.iterdir():
-        os.chmod(path, 0o666 & ~umask)
+    for path in [folder, *folder.rglob("*")]:
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def read_meta(folder: str | Path) -> "SnapshotMeta":

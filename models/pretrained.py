@@ -27,7 +27,7 @@ from transformers.utils import logging as hf_logging
 from models.attention import GATE_ATTRIBUTE
 from models.fingerprint import weights_fingerprint
 from models.gates import GateError, GateMode, gate_kind
-from models.gating import attach_gates, set_gate_mode
+from models.gating import attach_gates, decoder_layers, model_gates, set_gate_mode
 
 FORMAT_VERSION = 1  # of the config.json `retrokv` section; readers refuse newer versions
 GATES_FILE = "retrokv_gates.safetensors"  # the trained tensors of a gates-only export
@@ -114,6 +114,8 @@ class GatedCausalLM:
                             f"{pretrained_model_name_or_path} were trained on weights with fingerprint "
                             f"{section['backbone_fingerprint']}; pass base_model=<the weights they were trained on>")
         _load_gate_tensors(model, _gates_file(pretrained_model_name_or_path, hub))
+        if section.get("lora_adapter"):
+            _load_lora(model, pretrained_model_name_or_path, section["lora_adapter"], hub)
         return (model, {}) if wants_info else model
 
 
@@ -124,6 +126,18 @@ def _gates_file(name_or_path, hub: dict) -> str:
     from huggingface_hub import hf_hub_download
 
     return hf_hub_download(name_or_path, GATES_FILE, **hub)
+
+
+def _load_lora(model, name_or_path, subfolder: str, hub: dict) -> None:
+    """A LoRA adapter kept separate (peft's format, in `subfolder`) goes on top of the base weights; the gates
+    then listen to the adapted layers, as they did in training."""
+    folder = os.path.join(name_or_path, hub.get("subfolder") or "", subfolder)
+    if os.path.isdir(folder):
+        model.load_adapter(folder)
+    else:
+        model.load_adapter(name_or_path, adapter_kwargs={**hub, "subfolder": os.path.join(hub.get("subfolder") or "", subfolder)})
+    for layer, gate in zip(decoder_layers(model), model_gates(model)):
+        gate.install_hooks(layer)
 
 
 def _load_gate_tensors(model, path: str) -> None:

@@ -57,18 +57,19 @@ def gated_outputs(model, ids):
 IDS = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("gate,mode", [("dms_adapter", "frozen"), ("dms_neuron", "frozen"), ("trimkv", "frozen"),
-                                       ("dms_adapter", "lora"), ("dms_neuron", "lora"), ("dms_adapter", "full"),
-                                       ("trimkv", "full")])
-def test_export_and_load_give_the_same_logits_and_decisions(tiny_backbone, tmp_path, gate, mode):  # noqa: F811
+@pytest.mark.parametrize("gate,mode,lora", [
+    ("dms_adapter", "frozen", None), ("dms_neuron", "frozen", None), ("trimkv", "frozen", None),
+    ("dms_adapter", "lora", "merged"), ("dms_neuron", "lora", "merged"), ("dms_neuron", "lora", "separate"),
+    ("trimkv", "lora", "separate"), ("dms_adapter", "full", None), ("trimkv", "full", None)])
+def test_export_and_load_give_the_same_logits_and_decisions(tiny_backbone, tmp_path, gate, mode, lora):  # noqa: F811
     snapshot = make_snapshot(tiny_backbone, tmp_path / "snap", gate, mode)
     before, _, _ = load_snapshot(snapshot)
     logits, values = gated_outputs(before, IDS)
-    out = export_snapshot(snapshot, tmp_path / "export")
+    out = export_snapshot(snapshot, tmp_path / "export", lora=lora or "merged")
     after = models.from_pretrained(str(out))
     assert type(after).__name__ == "RetroKVLlamaForCausalLM" and models.gate_state(after).mode is GateMode.INFER
     logits2, values2 = gated_outputs(after, IDS)
-    if mode == "lora":  # merged into the weights: equal up to the rounding of W + BA
+    if lora == "merged":  # folded into the weights: equal up to the rounding of W + BA
         torch.testing.assert_close(logits2, logits, atol=2e-5, rtol=1e-5)
         for v, w in zip(values, values2):
             torch.testing.assert_close(w, v, atol=1e-4, rtol=1e-5)
@@ -79,7 +80,9 @@ def test_export_and_load_give_the_same_logits_and_decisions(tiny_backbone, tmp_p
             assert torch.equal(w, v)
     section = json.loads((out / "config.json").read_text())
     assert section["auto_map"] == {"AutoModelForCausalLM": "modeling_retrokv.RetroKVLlamaForCausalLM"}
-    assert section["retrokv"]["cr"] == 3.0 and section["retrokv"]["weights"] == "full"
+    assert section["retrokv"]["cr"] == 3.0
+    assert section["retrokv"]["weights"] == ("gates_only" if lora == "separate" else "full")
+    assert (out / "lora" / "adapter_config.json").is_file() == (lora == "separate")
 
 
 def test_gates_only_export_loads_its_base_and_refuses_other_weights(tiny_backbone, tmp_path):  # noqa: F811
@@ -95,8 +98,11 @@ def test_gates_only_export_loads_its_base_and_refuses_other_weights(tiny_backbon
     models.load_backbone(tiny_backbone)[0].apply(lambda m: torch.nn.init.normal_(m.weight) if isinstance(m, torch.nn.Linear) else None).save_pretrained(other)
     with pytest.raises(GateError, match="fingerprint"):
         models.from_pretrained(str(out), base_model=str(other))
+    full = make_snapshot(tiny_backbone, tmp_path / "full", "dms_adapter", "full")
     with pytest.raises(ValueError, match="needs a frozen backbone"):
-        export_snapshot(make_snapshot(tiny_backbone, tmp_path / "full", "dms_adapter", "full"), tmp_path / "g2", gates_only=True)
+        export_snapshot(full, tmp_path / "g2", gates_only=True)
+    with pytest.raises(ValueError, match="--lora separate applies to LoRA snapshots"):
+        export_snapshot(full, tmp_path / "g3", lora="separate")
 
 
 def test_the_bounded_engine_serves_a_loaded_export(tiny_backbone, tmp_path):  # noqa: F811
@@ -113,11 +119,12 @@ def test_the_bounded_engine_serves_a_loaded_export(tiny_backbone, tmp_path):  # 
 
 
 @pytest.mark.ci
-@pytest.mark.parametrize("gate,gates_only", [("dms_neuron", False), ("trimkv", True)])
-def test_transformers_loads_an_export_without_retrokv(tiny_backbone, tmp_path, gate, gates_only):  # noqa: F811
+@pytest.mark.parametrize("gate,mode,export", [("dms_neuron", "frozen", {}), ("trimkv", "frozen", {"gates_only": True}),
+                                              ("dms_neuron", "lora", {"lora": "separate"})])
+def test_transformers_loads_an_export_without_retrokv(tiny_backbone, tmp_path, gate, mode, export):  # noqa: F811
     """AutoModelForCausalLM with trust_remote_code, in a process where RetroKV cannot be imported, generates what
     the gated model generates (greedy, DynamicCache) and computes its logits on the completion."""
-    snapshot = make_snapshot(tiny_backbone, tmp_path / "snap", gate)
+    snapshot = make_snapshot(tiny_backbone, tmp_path / "snap", gate, mode)
     model, _, _ = load_snapshot(snapshot)
     models.set_gate_mode(model, GateMode.INFER)
     ids = IDS[:1, :10]
@@ -127,7 +134,7 @@ def test_transformers_loads_an_export_without_retrokv(tiny_backbone, tmp_path, g
         with models.gate_mode(model, GateMode.OFF):
             ungated = model(expected).logits
     assert (gated - ungated).abs().max() > 1e-3  # the gates matter here, so the comparison below can fail
-    out = export_snapshot(snapshot, tmp_path / "export", gates_only=gates_only)
+    out = export_snapshot(snapshot, tmp_path / "export", **export)
     logits = tmp_path / "logits.pt"
     result = generate_without_retrokv(out, ids.tolist(), 16, logits, tmp_path / "modules")
     assert result["class"] == "RetroKVLlamaForCausalLM"
