@@ -87,8 +87,13 @@ def test_realised_mean_and_matched_budget():
         assert realised_mean(b, lengths) >= target > realised_mean(b - 1, lengths) if b > 1 else True
 
 
-def test_engine_counts_reads_and_mean_tokens_of_a_window():
-    """Chunk size 1: query number t reads min(t, budget + 1) keys and leaves min(t, budget) held."""
+@pytest.mark.parametrize("log", [256, 3])
+def test_engine_counts_reads_and_mean_tokens_of_a_window(log, monkeypatch):
+    """Chunk size 1: query number t reads min(t, budget + 1) keys and leaves min(t, budget) held; the same
+    whether the decode steps' counts are folded in at the end or every 3 steps."""
+    import eval.engine.layer
+
+    monkeypatch.setattr(eval.engine.layer, "DECODE_LOG", log)
     model = tiny_model("llama")
     ids = torch.randint(1, 97, (1, 20), generator=torch.Generator().manual_seed(3))
     cache = BoundedCache(model, policy="window", budget=5, chunk_size=1)
@@ -97,8 +102,10 @@ def test_engine_counts_reads_and_mean_tokens_of_a_window():
             model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True)
     stats = cache.stats()
     heads = TINY["num_hidden_layers"] * TINY["num_key_value_heads"]
-    assert stats.query_reads == heads * sum(min(t, 6) for t in range(1, 21))
+    assert stats.query_reads == stats.kv_reads == heads * sum(min(t, 6) for t in range(1, 21))
     assert stats.query_full_reads == heads * sum(range(1, 21))
+    assert stats.full_cache_reads == heads * sum(range(1, 21))  # every one-token forward is a decode step
+    assert stats.capacity_evictions == heads * (20 - 5) and int(stats.peak_tokens.max()) == 5
     assert float(stats.mean_tokens.mean()) == pytest.approx(realised_mean(5, [20]))
 
 

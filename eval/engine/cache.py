@@ -104,6 +104,9 @@ class BoundedCache(Cache):
         inv_freq = rotary_frequencies(model) if gap_compression else None
         layer_type = QuestLayer if isinstance(self.policy, Quest) else BoundedLayer
         super().__init__(layers=[layer_type(self.policy, chunk_size, inv_freq) for _ in self._attention_modules])
+        self._new_tokens = NewTokens()
+        for layer in self.layers:
+            layer.new_tokens = self._new_tokens
         self._model = model
         self._restore = (model.config._attn_implementation, gate_state(model).mode if model_gates(model) else None)
         if model_gates(model):
@@ -160,6 +163,8 @@ class BoundedCache(Cache):
         first = self.layers[0]
         if not first.is_initialized:
             raise EngineError("the cache has not been used yet")
+        for layer in self.layers:
+            layer.settle_counters()
         held = torch.stack([(layer.positions >= 0).sum(-1).float().mean(0) for layer in self.layers])
         seen = int(first.real_tokens.sum())
         return CacheStats(
@@ -192,14 +197,32 @@ def engine_attention(module, query, key, value, attention_mask, scaling=None, dr
     if gate is not None and gate.active:
         query = gate.mask_query(query)
         gate_values = gate.current_values
-    real = _new_token_real(attention_mask, batch, q_len, query.device)
-    positions = kwargs.get("position_ids")
-    if positions is None:
-        positions = torch.arange(layer.length, layer.length + q_len, device=query.device)
-    positions = positions.expand(batch, q_len).to(query.device)
+    real, positions, stored = layer.new_tokens(attention_mask, kwargs.get("position_ids"), layer.length, batch, q_len,
+                                               query.device)
     scaling = head_dim**-0.5 if scaling is None else scaling
-    out = layer.attend(query, real, positions, scaling, gate_values)
+    out = layer.attend(query, real, positions, scaling, gate_values, stored)
     return out.transpose(1, 2).contiguous(), None
+
+
+class NewTokens:
+    """Which of a forward's new tokens are real, their positions (int32), and the positions their slots will
+    hold (-1 for padding): the same for every layer, so the first layer computes them and the others reuse
+    them (recognised by the very mask and position tensors transformers hands to each layer of one forward)."""
+
+    def __init__(self):
+        self._key: tuple | None = None
+        self._value: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, attention_mask, position_ids, length: int, batch: int, q_len: int, device):
+        key = (attention_mask, position_ids, length, batch, q_len)
+        if self._key is not None and all(a is b if isinstance(a, torch.Tensor) or a is None else a == b
+                                         for a, b in zip(key, self._key)):
+            return self._value
+        real = _new_token_real(attention_mask, batch, q_len, device)
+        positions = position_ids if position_ids is not None else torch.arange(length, length + q_len, device=device)
+        positions = positions.expand(batch, q_len).to(device=device, dtype=torch.int32)
+        self._key, self._value = key, (real, positions, positions.masked_fill(~real, -1))
+        return self._value
 
 
 def _new_token_real(attention_mask, batch: int, q_len: int, device) -> torch.Tensor:

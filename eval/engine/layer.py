@@ -10,6 +10,8 @@ decode step on top.
 
 Counters: `length` is what transformers counts positions from (padding included); `real_tokens` [B] is
 each sequence's real tokens; reads and held tokens are device tensors, read once by `BoundedCache.stats`.
+Decode steps log their per-step counts by reference and fold them in every `DECODE_LOG` steps
+(`settle_counters`): a few reductions then, instead of a dozen small ops per layer and step.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from transformers.cache_utils import CacheLayerMixin
 
 from eval.engine.policies import NEG, POS, Chunk, EngineError, Policy
 from eval.engine.positions import compressed_positions, rotate
+
+DECODE_LOG = 256  # decode steps whose counts are folded into the counters at once
 
 
 class BoundedLayer(CacheLayerMixin):
@@ -47,6 +51,7 @@ class BoundedLayer(CacheLayerMixin):
         # every query, prefill chunks too; tensors, so that counting never waits on the device:
         self.query_reads: torch.Tensor | int = 0  # keys read, over real queries, KV heads and sequences
         self.held_integral: torch.Tensor | int = 0  # [Hkv] tokens held after each real token, summed over them
+        self._decode_log: list[tuple[torch.Tensor, ...]] = []  # (reads, wanting to stay, real, seen) per decode step
 
     # --- the transformers layer API -------------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states):
@@ -89,6 +94,7 @@ class BoundedLayer(CacheLayerMixin):
         self.length = self.in_use = self.decode_steps = 0
         self.decode_reads = self.full_cache_reads = self.capacity_evictions = 0
         self.query_reads = self.held_integral = 0
+        self._decode_log = []
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select_batch(beam_idx)
@@ -102,6 +108,7 @@ class BoundedLayer(CacheLayerMixin):
     def _select_batch(self, index: torch.Tensor) -> None:
         if not self.is_initialized:
             return
+        self.settle_counters()  # the log holds rows of the old batch
         index = index.to(self.device)
         self.keys, self.values, self.positions, self.real_tokens = (
             t.index_select(0, index) for t in (self.keys, self.values, self.positions, self.real_tokens))
@@ -127,8 +134,9 @@ class BoundedLayer(CacheLayerMixin):
 
     # --- attention --------------------------------------------------------------------------------------
     def attend(self, query: torch.Tensor, new_real: torch.Tensor, positions: torch.Tensor, scaling: float,
-               gate: torch.Tensor | None) -> torch.Tensor:
-        """Attention output [B, H, q, D] for the held new tokens, storing them chunk by chunk."""
+               gate: torch.Tensor | None, stored: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention output [B, H, q, D] for the held new tokens, storing them chunk by chunk. `stored`: the
+        positions their slots will hold (-1 for padding), when the caller has them already."""
         if self.pending is None:
             raise EngineError("the engine's attention ran without a cache update for this layer")
         keys, values = self.pending
@@ -138,7 +146,9 @@ class BoundedLayer(CacheLayerMixin):
         self.length += q_len
         self.decode_steps += int(decode)
         if decode and self.decodes_in_place:
-            return self._decode(query, keys, values, positions, new_real, gate, scaling)
+            if stored is None:
+                stored = positions.to(torch.int32).masked_fill(~new_real, -1)
+            return self._decode(query, keys, values, positions, new_real, gate, scaling, stored)
         out = query.new_empty(*query.shape[:3], values.shape[-1])
         for a in range(0, q_len, self.chunk_size):
             b = min(a + self.chunk_size, q_len)
@@ -147,18 +157,20 @@ class BoundedLayer(CacheLayerMixin):
                                                 None if gate is None else gate[..., a:b], scaling, decode)
         return out
 
-    def _decode(self, query, keys, values, positions, real, gate, scaling) -> torch.Tensor:
+    def _decode(self, query, keys, values, positions, real, gate, scaling, stored) -> torch.Tensor:
         """One new token per sequence, written into a free slot first (there is always one: at most `slots`
         tokens are held in `slots + 1`) and attended together with the held tokens in one pass; then the policy
         frees what it drops and, when `slots + 1` tokens want to stay, evicts its lowest-scoring one (the new
-        token included). The same candidates and rule as a chunk of one, without copies or host synchronisation."""
+        token included). The same candidates and rule as a chunk of one, without copies or host synchronisation.
+        The slots read include one empty slot while the cache fills, so that "free the lowest candidate, empty
+        slots lowest of all" evicts exactly when the slots overflow, with no test of the count."""
         batch, heads, _, dim = query.shape
         kv_heads = keys.shape[1]
-        n = min(self.in_use + 1, self.allocated)
+        n = min(self.in_use + 2, self.allocated)
         pos, slot_keys, slot_values = self.positions[..., :n], self.keys[:, :, :n], self.values[:, :, :n]
         free = pos.argmin(-1, keepdim=True)  # [B, Hkv, 1] a slot holding -1 (free)
         positions = positions.to(torch.int32)
-        pos.scatter_(-1, free, positions.masked_fill(~real, -1)[:, None].expand(-1, kv_heads, -1))
+        pos.scatter_(-1, free, stored[:, None].expand(-1, kv_heads, -1))
         slot_keys.scatter_(2, free[..., None].expand(-1, -1, -1, dim), keys)
         slot_values.scatter_(2, free[..., None].expand(-1, -1, -1, values.shape[-1]), values)
         state = {name: t[..., :n] for name, t in self.state.items()}
@@ -169,8 +181,7 @@ class BoundedLayer(CacheLayerMixin):
                       rank_start=self.real_tokens, new_index=free)
         if gate is not None:
             self.policy.candidate_state(chunk)
-        real_count = real.long()  # [B, 1]
-        self.real_tokens = self.real_tokens + real_count[:, 0]
+        self.real_tokens = self.real_tokens + real[:, 0]
 
         visible = chunk.cand_ok[:, :, None, None, :]  # [B, Hkv, 1, 1, N]
         extra = self.policy.visibility(chunk)
@@ -179,7 +190,7 @@ class BoundedLayer(CacheLayerMixin):
         scores = query.view(batch, kv_heads, -1, dim) @ slot_keys.transpose(-1, -2)  # [B, Hkv, G, N]
         if scores.dtype != torch.promote_types(scores.dtype, torch.float32):  # softmax in float32 at least
             scores = scores.float()
-        scores = scores.mul_(scaling).view(batch, kv_heads, -1, 1, n).masked_fill_(~visible, torch.finfo(scores.dtype).min)
+        scores = torch.where(visible, scores.mul_(scaling).view(batch, kv_heads, -1, 1, n), torch.finfo(scores.dtype).min)
         probs = scores.softmax(-1)
         out = probs.to(values.dtype).view(batch, kv_heads, -1, n) @ slot_values
 
@@ -192,19 +203,36 @@ class BoundedLayer(CacheLayerMixin):
             keep = keep & (score != NEG)
             pos.masked_fill_(~keep, -1)  # what the policy drops (DMS's expired keys) frees its slot
         count = keep.sum(-1)  # [B, Hkv] tokens that want to stay
-        over = count > self.slots
-        lowest, victim = score.masked_fill(~keep, POS).min(-1, keepdim=True)
-        if self.policy.can_overflow and bool((over & torch.isposinf(lowest[..., 0])).any()):
-            raise self._overflow()
-        pos.scatter_(-1, victim, torch.where(over[..., None], -1, pos.gather(-1, victim)))
-        held = count.clamp(max=self.slots)
+        if self.policy.can_overflow:  # Full pins every token: past its slots, refuse rather than evict one
+            pinned = torch.isposinf(torch.where(keep, score, POS).amin(-1))
+            if bool(((count > self.slots) & pinned).any()):
+                raise self._overflow()
+        # the lowest candidate leaves: an empty (or dropped) slot whenever there is one, which changes nothing,
+        # else the weakest held or new token; held tokens never score -inf (only what a policy drops does)
+        pos.scatter_(-1, torch.where(keep, score, NEG).argmin(-1, keepdim=True), -1)
         read = visible.sum((2, 3, 4)) if extra is not None else count  # [B, Hkv]
-        self._count_reads((read * real_count).sum(), decode=True)
-        self.capacity_evictions += (count - held).sum()
-        self.peak = torch.maximum(self.peak, held.amax(0))
-        self._count_held(real, held)
-        self.in_use = n
+        self._decode_log.append((read, count, real, self.real_tokens))
+        if len(self._decode_log) == DECODE_LOG:
+            self.settle_counters()
+        self.in_use = min(self.in_use + 1, self.allocated)
         return out.view(batch, heads, 1, -1)
+
+    def settle_counters(self) -> None:
+        """Fold the logged decode steps into the counters (reads, what a full cache would read, forced
+        evictions, peak and integral of held tokens); `BoundedCache.stats` calls it first."""
+        if not self._decode_log:
+            return
+        read, count, real, seen = (torch.stack(parts) for parts in zip(*self._decode_log))  # [S, B, ...]
+        self._decode_log = []
+        real = real.long()  # [S, B, 1]
+        held = count.clamp(max=self.slots)  # [S, B, Hkv]
+        reads = (read * real).sum()
+        self.query_reads += reads
+        self.decode_reads += reads
+        self.full_cache_reads += seen.sum() * self.keys.shape[1]
+        self.capacity_evictions += (count - held).sum()
+        self.peak = torch.maximum(self.peak, held.amax((0, 1)))
+        self.held_integral += (held * real).sum((0, 1))
 
     def _chunk(self, query, positions, real, gate) -> Chunk:
         """The chunk's tokens next to the occupied slots (the candidates), with the policy's state for both."""
@@ -264,10 +292,10 @@ class BoundedLayer(CacheLayerMixin):
             self.decode_reads += reads
             self.full_cache_reads += self.real_tokens.sum() * self.keys.shape[1]
 
-    def _count_held(self, real: torch.Tensor, held: torch.Tensor | None = None) -> None:
-        """Add the tokens held after this chunk ([B, Hkv], counted from the slots unless given) once per real
-        token in it (memory over time, per KV head)."""
-        held = (self.positions >= 0).sum(-1) if held is None else held
+    def _count_held(self, real: torch.Tensor) -> None:
+        """Add the tokens held after this chunk ([B, Hkv], counted from the slots) once per real token in it
+        (memory over time, per KV head)."""
+        held = (self.positions >= 0).sum(-1)
         self.held_integral += (held * real.sum(-1, keepdim=True)).sum(0)
 
     def _compress_positions(self, chunk: Chunk, slot_keys, keys):
@@ -358,7 +386,7 @@ class QuestLayer(BoundedLayer):
     def _stored_tensors(self) -> list[torch.Tensor]:
         return super()._stored_tensors() + [self.key_min, self.key_max]
 
-    def _decode(self, query, keys, values, positions, real, gate, scaling):
+    def _decode(self, query, keys, values, positions, real, gate, scaling, stored):
         chunk = self._chunk(query, positions, real, gate)
         out = self._sparse_decode(chunk, keys, values, scaling)
         self._retain_one(chunk, self.policy.keep_scores(chunk, None), keys, values)

@@ -209,8 +209,7 @@ class TOVA(Policy):
         else:
             last = self._last_real_query(chunk)  # [B]
             row = probs[torch.arange(probs.shape[0], device=probs.device), :, :, last]
-        score = row.mean(2) if self.head_wise else row.mean((1, 2))[:, None].expand(-1, row.shape[1], -1)
-        return score.contiguous()
+        return row.mean(2) if self.head_wise else row.mean((1, 2))[:, None].expand(-1, row.shape[1], -1)
 
     @staticmethod
     def _last_real_query(chunk) -> torch.Tensor:
