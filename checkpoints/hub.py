@@ -84,9 +84,10 @@ def describe(uploads: list[Upload], repo_id: str) -> str:
     return "\n".join(lines)
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
+def _size(n: float) -> str:
+    """Bytes in decimal units, as the Hub shows them."""
+    for unit in ("B", "KB", "MB"):
+        if n < 1000:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
-    return f"{n} B"
+    return f"{n:.1f} GB"
