@@ -156,12 +156,9 @@ def _outside_peft(tensors: dict) -> dict:
 
 def _merge_lora(model):
     """Fold the LoRA adapters into the base weights; the gates listen to the merged layers again."""
-    from models.gating import decoder_layers, model_gates
+    from models.gating import rehook_gates
 
-    merged = model.merge_and_unload()
-    for layer, gate in zip(decoder_layers(merged), model_gates(merged)):
-        gate.install_hooks(layer)
-    return merged
+    return rehook_gates(model.merge_and_unload())
 
 
 def export_run(source: str | Path, out: str | Path, *, cr: int | None = None, every: bool = False,

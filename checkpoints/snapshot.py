@@ -114,7 +114,7 @@ def trained_tensors(model: torch.nn.Module, keep: bool = True) -> dict[str, torc
     for name, param in params:
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
             if keep:
-                tensors[name] = param.detach().to("cpu").clone()
+                tensors[name] = param.detach().to("cpu", copy=True).contiguous()
     return tensors
 
 

@@ -77,6 +77,14 @@ def attach_gates(model: nn.Module, kind: str = "dms", **settings: Any) -> nn.Mod
     return model
 
 
+def rehook_gates(model: nn.Module) -> nn.Module:
+    """Attach every gate's hooks to its layer's current submodules again: after peft wraps them (LoRA
+    training, a loaded adapter) or merges them back, the gates must listen to what now runs."""
+    for layer, gate in zip(decoder_layers(model), model_gates(model)):
+        gate.install_hooks(layer)
+    return model
+
+
 def detach_gates(model: nn.Module) -> nn.Module:
     """Remove the gates `attach_gates` added (hooks, modules, config section) and restore the attention
     implementation it replaced; the model is the original one again."""

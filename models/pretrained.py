@@ -27,7 +27,7 @@ from transformers.utils import logging as hf_logging
 from models.attention import GATE_ATTRIBUTE
 from models.fingerprint import weights_fingerprint
 from models.gates import GateError, GateMode, gate_kind
-from models.gating import attach_gates, decoder_layers, model_gates, set_gate_mode
+from models.gating import attach_gates, rehook_gates, set_gate_mode
 
 FORMAT_VERSION = 1  # of the config.json `retrokv` section; readers refuse newer versions
 GATES_FILE = "retrokv_gates.safetensors"  # the trained tensors of a gates-only export
@@ -136,8 +136,7 @@ def _load_lora(model, name_or_path, subfolder: str, hub: dict) -> None:
         model.load_adapter(folder)
     else:
         model.load_adapter(name_or_path, adapter_kwargs={**hub, "subfolder": os.path.join(hub.get("subfolder") or "", subfolder)})
-    for layer, gate in zip(decoder_layers(model), model_gates(model)):
-        gate.install_hooks(layer)
+    rehook_gates(model)
 
 
 def _load_gate_tensors(model, path: str) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 from models.backbone import load_backbone
 from models.fingerprint import weights_fingerprint
 from models.gates import GateError, KVGate
-from models.gating import attach_gates, decoder_layers, model_gates
+from models.gating import attach_gates, decoder_layers, model_gates, rehook_gates
 
 BackboneMode = Literal["frozen", "lora", "full"]
 
@@ -36,8 +36,7 @@ def configure_backbone(model: nn.Module, mode: BackboneMode = "frozen", lora: di
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(**(lora or {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]})))
-        for layer, gate in zip(decoder_layers(model), model_gates(model)):
-            gate.install_hooks(layer)  # peft replaced q_proj: listen to the wrapper, which includes the adapter
+        rehook_gates(model)  # peft replaced q_proj: listen to the wrapper, which includes the adapter
     for gate in model_gates(model):
         gate.requires_grad_(True)
         if gate.neuron_indices:

@@ -265,8 +265,7 @@ def validate(config: RunConfig) -> None:
               "trainer.accumulate_grad_batches", "trainer.log_every_n_steps", "trainer.checkpoint_every_n_steps")
     _at_least(tree, 0, "data.eval_samples", "data.num_workers", "schedule.hold_steps", "schedule.neuron_warmup_steps",
               "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "loss.kl_weight", "loss.ntp_weight",
-              "loss.capacity_weight")
-    _at_least(tree, 0, "trainer.snapshot_every_n_steps")
+              "loss.capacity_weight", "trainer.snapshot_every_n_steps")
     if config.trainer.val_check_interval is not None:
         _at_least(tree, 1, "trainer.val_check_interval")
     if config.trainer.keep_checkpoints < -1:

@@ -21,7 +21,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.masking_utils import AttentionMaskInterface
 
-from eval.engine.layer import BoundedLayer, QuestLayer
+from eval.engine.layer import BoundedLayer, QuestLayer, slot_positions
 from eval.engine.policies import EngineError, Policy, Quest, make_policy
 from eval.engine.positions import rotary_frequencies
 from models.attention import boolean_causal_mask, gated_attention
@@ -221,7 +221,7 @@ class NewTokens:
         real = _new_token_real(attention_mask, batch, q_len, device)
         positions = position_ids if position_ids is not None else torch.arange(length, length + q_len, device=device)
         positions = positions.expand(batch, q_len).to(device=device, dtype=torch.int32)
-        self._key, self._value = key, (real, positions, positions.masked_fill(~real, -1))
+        self._key, self._value = key, (real, positions, slot_positions(positions, real))
         return self._value
 
 

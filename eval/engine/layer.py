@@ -25,6 +25,11 @@ from eval.engine.positions import compressed_positions, rotate
 DECODE_LOG = 256  # decode steps whose counts are folded into the counters at once
 
 
+def slot_positions(positions: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """The positions new tokens' slots hold (int32): their own, -1 for padding (which never takes a slot)."""
+    return positions.to(torch.int32).masked_fill(~real, -1)
+
+
 class BoundedLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
@@ -147,7 +152,7 @@ class BoundedLayer(CacheLayerMixin):
         self.decode_steps += int(decode)
         if decode and self.decodes_in_place:
             if stored is None:
-                stored = positions.to(torch.int32).masked_fill(~new_real, -1)
+                stored = slot_positions(positions, new_real)
             return self._decode(query, keys, values, positions, new_real, gate, scaling, stored)
         out = query.new_empty(*query.shape[:3], values.shape[-1])
         for a in range(0, q_len, self.chunk_size):
@@ -240,7 +245,7 @@ class BoundedLayer(CacheLayerMixin):
         kv_heads = self.keys.shape[1]
         slots = min(self.in_use + c, self.allocated)  # the used slots plus room for this chunk
         positions = positions.to(torch.int32)
-        new_pos = torch.where(real, positions, torch.full_like(positions, -1))[:, None].expand(-1, kv_heads, -1)
+        new_pos = slot_positions(positions, real)[:, None].expand(-1, kv_heads, -1)
         cand_pos = torch.cat([self.positions[..., :slots], new_pos], -1)
         cand_ok = cand_pos >= 0
         state = {name: torch.cat([t[..., :slots], torch.full((batch, kv_heads, c), self.policy.state[name][1], dtype=t.dtype,
