@@ -40,6 +40,8 @@ class DataConfig:
     """Micro-batch per device."""
     num_workers: int = 0
     """DataLoader worker processes."""
+    num_proc: int = 1
+    """Processes for preparing the data (the OpenR1 math-verify filter, rendering, tokenising); 1: this one."""
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "DataConfig":

@@ -83,32 +83,55 @@ class RetrofitDataModule(L.LightningDataModule):
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def prepare_data(self) -> None:
+        """Lightning calls this on each node's first process; `prepare_once` makes it once per filesystem."""
+        self.prepare_once()
+
+    def prepare_once(self) -> bool:
+        """Prepare the splits into the cache unless they are there; True if this process prepared them.
+
+        A lock file beside the cache folder serialises preparers: on a filesystem shared by several nodes the
+        first node prepares and the others wait, then read what it wrote; node-local caches each prepare
+        their own. The work is staged in a private folder and renamed into place, so a killed preparation
+        leaves nothing half-written under the key.
+        """
+        from filelock import FileLock, Timeout
+
         folder = self.cache_dir / self._cache_key()
         if (folder / "train").is_dir():
-            return
+            return False
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(folder) + ".lock")
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            log.info("waiting for another process preparing %s (lock %s)", folder, lock.lock_file)
+            lock.acquire()
+        try:
+            if (folder / "train").is_dir():  # prepared while this process waited
+                return False
+            self._prepare_into(folder)
+            return True
+        finally:
+            lock.release()
+
+    def _prepare_into(self, folder: Path) -> None:
         total = self.cfg.train_samples + self.cfg.eval_samples if self.cfg.train_samples > 0 else -1
         raw = load_source(self.cfg, self.seed, total)
         n_eval = min(self.cfg.eval_samples, max(len(raw) - 1, 0))
         splits = {"eval": raw.select(range(n_eval)), "train": raw.select(range(n_eval, len(raw)))}
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        # a staging folder of its own: runs preparing the same data at once each finish, the first rename wins
         staging = Path(tempfile.mkdtemp(prefix=f"{folder.name}.tmp-", dir=folder.parent))
         try:
             for name in ("eval", "train"):
                 if len(splits[name]) or name == "train":
                     prepare(splits[name], self.tokenizer, self.cfg, name).save_to_disk(str(staging / name))
-            try:
-                os.rename(staging, folder)
-            except OSError:
-                if not (folder / "train").is_dir():  # not another run's finished preparation: a real failure
-                    raise
+            os.rename(staging, folder)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
     def setup(self, stage: str | None = None) -> None:
         folder = self.cache_dir / self._cache_key()
-        if not (folder / "train").is_dir():
-            self.prepare_data()
+        if not (folder / "train").is_dir():  # another node's cache, or prepare_data was not called
+            self.prepare_once()
         self.train_set = datasets.load_from_disk(str(folder / "train"))
         self.eval_set = datasets.load_from_disk(str(folder / "eval")) if (folder / "eval").is_dir() else None
 

@@ -6,12 +6,12 @@ import logging
 
 import datasets
 
-from data.sources import DataError
+from data.sources import DataError, parallel
 
 log = logging.getLogger(__name__)
 
 
-def render(ds: datasets.Dataset, tokenizer, chat_template: bool) -> datasets.Dataset:
+def render(ds: datasets.Dataset, tokenizer, chat_template: bool, num_proc: int = 1) -> datasets.Dataset:
     """Rows -> {text, prompt_text}; prompt_text is the prefix a prompt mask may exclude from the loss."""
     if "prompt" not in ds.column_names:
         return ds.map(lambda r: {"text": r["text"], "prompt_text": ""}, remove_columns=ds.column_names, desc="render")
@@ -30,10 +30,10 @@ def render(ds: datasets.Dataset, tokenizer, chat_template: bool) -> datasets.Dat
                                              tokenize=False, enable_thinking=True)
         return {"text": text, "prompt_text": prompt if text.startswith(prompt) else ""}
 
-    return ds.map(one, remove_columns=ds.column_names, desc="chat template")
+    return ds.map(one, remove_columns=ds.column_names, desc="chat template", num_proc=parallel(ds, num_proc))
 
 
-def tokenize(ds: datasets.Dataset, tokenizer, mask_prompt: bool) -> datasets.Dataset:
+def tokenize(ds: datasets.Dataset, tokenizer, mask_prompt: bool, num_proc: int = 1) -> datasets.Dataset:
     def batch(rows):
         ids = tokenizer(rows["text"], add_special_tokens=False)["input_ids"]
         prompts = tokenizer(rows["prompt_text"], add_special_tokens=False)["input_ids"] if mask_prompt else None
@@ -45,7 +45,7 @@ def tokenize(ds: datasets.Dataset, tokenizer, mask_prompt: bool) -> datasets.Dat
             loss.append([0] * min(skip, len(seq)) + [1] * max(len(seq) - skip, 0))
         return {"input_ids": ids, "loss_mask": loss}
 
-    return ds.map(batch, batched=True, remove_columns=ds.column_names, desc="tokenize")
+    return ds.map(batch, batched=True, remove_columns=ds.column_names, desc="tokenize", num_proc=parallel(ds, num_proc))
 
 
 def pack_documents(ds: datasets.Dataset, max_length: int, eos_id: int, pad_id: int) -> list[dict]:
@@ -102,7 +102,8 @@ def prepare(raw: datasets.Dataset, tokenizer, cfg, name: str) -> datasets.Datase
     rows_in = len(raw)
     if rows_in == 0:
         raise DataError(f"the {name} split of data.source={cfg.source!r} has no rows (after filtering)")
-    tokens = tokenize(render(raw, tokenizer, cfg.chat_template), tokenizer, cfg.mask_prompt)
+    rendered = render(raw, tokenizer, cfg.chat_template, cfg.num_proc)
+    tokens = tokenize(rendered, tokenizer, cfg.mask_prompt, cfg.num_proc)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     packed, counts = pack_or_pad(tokens, cfg.max_length, cfg.packing, cfg.too_long, eos, pad, name)

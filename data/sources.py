@@ -131,10 +131,13 @@ def local_files_builder(path: str) -> tuple[str | None, list[str] | None]:
     return kind, [f for f in files if kinds.get(Path(f).suffix) == kind]
 
 
-def openr1(path: str, split: str, streaming: bool, num_rows: int) -> datasets.Dataset:
-    """OpenR1-Math-220k schema: keep each generation that math-verify confirms against the answer."""
-    from math_verify import parse, verify
+def parallel(ds: datasets.Dataset, num_proc: int) -> int | None:
+    """`num_proc` for datasets' map: None (this process) for one process or a tiny set."""
+    return num_proc if num_proc > 1 and len(ds) >= 2 * num_proc else None
 
+
+def openr1(path: str, split: str, streaming: bool, num_rows: int, num_proc: int = 1) -> datasets.Dataset:
+    """OpenR1-Math-220k schema: keep each generation that math-verify confirms against the answer."""
     builder, files = local_files_builder(path or "open-r1/OpenR1-Math-220k")
     ds = _load(path or "open-r1/OpenR1-Math-220k", builder, files, split, streaming)
     if streaming and num_rows > 0:
@@ -142,6 +145,15 @@ def openr1(path: str, split: str, streaming: bool, num_rows: int) -> datasets.Da
     missing = {"problem", "generations", "answer"} - set(ds.column_names)
     if missing:
         raise DataError(f"{path} lacks OpenR1 column(s) {sorted(missing)}; columns: {ds.column_names}")
+    return verified_generations(ds, num_proc)
+
+
+def verified_generations(ds: datasets.Dataset, num_proc: int = 1) -> datasets.Dataset:
+    """One (prompt, completion, answer) row per generation that math-verify confirms against the answer.
+
+    math-verify parses every generation, the slow part of preparing OpenR1, so this runs in `num_proc`
+    processes; each is its own main thread, which math-verify's signal-based timeout needs."""
+    from math_verify import parse, verify
 
     def verified(batch):
         out = {"prompt": [], "completion": [], "answer": []}
@@ -154,7 +166,8 @@ def openr1(path: str, split: str, streaming: bool, num_rows: int) -> datasets.Da
                     out["answer"].append(str(answer))
         return out
 
-    return ds.map(verified, batched=True, remove_columns=ds.column_names, desc="math-verify filter")
+    return ds.map(verified, batched=True, batch_size=64, remove_columns=ds.column_names, desc="math-verify filter",
+                  num_proc=parallel(ds, num_proc))
 
 
 def traces(path: str) -> datasets.Dataset:
@@ -177,7 +190,7 @@ def load_source(cfg, seed: int, num_rows: int) -> datasets.Dataset:
     elif cfg.source in ("hf", "files"):
         ds = hf_dataset(cfg.path, cfg.split, cfg.text_column, cfg.streaming, num_rows, local_only=cfg.source == "files")
     elif cfg.source == "openr1":
-        ds = openr1(cfg.path, cfg.split, cfg.streaming, num_rows)
+        ds = openr1(cfg.path, cfg.split, cfg.streaming, num_rows, cfg.num_proc)
     elif cfg.source == "traces":
         ds = traces(cfg.path)
     else:

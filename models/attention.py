@@ -62,7 +62,7 @@ def gated_attention(module, query, key, value, attention_mask, scaling=None, dro
     scaling = head_dim**-0.5 if scaling is None else scaling
     if attention_backend(query.device) == "flex" and not gate.multiplicative:
         score_mod = gate.attention_score_mod(valid, q_len, k_len, dtype=query.dtype)
-        out = _flex(query, key, value, score_mod, scaling)
+        out = _flex(query, key, value, score_mod, scaling, visible_blocks(attention_mask, valid))
     else:
         bias = gate.attention_bias(valid, q_len, k_len, dtype=query.dtype)  # [B, n, Tq, Tk], n = Hkv or 1
         if gate.multiplicative:
@@ -103,11 +103,37 @@ def _flex_kernel(compiled: bool):
     return torch.compile(flex_attention, dynamic=True) if compiled else flex_attention
 
 
-def _flex(query, key, value, score_mod, scaling):
-    """FlexAttention with the gate's bias computed per score from per-key vectors (no [B, H, T, T] tensor).
+_BLOCK_MASK_CACHE: list = []  # [(the forward's mask tensor, q_len, k_len), BlockMask]: one entry
+
+
+def visible_blocks(attention_mask, valid: torch.Tensor):
+    """FlexAttention's BlockMask of the causal and padding structure, so blocks with no visible key (above the
+    diagonal, all padding) are skipped instead of computed and masked.
+
+    Every layer of a forward receives the same mask tensor from transformers, so the BlockMask is built once
+    per forward and reused: the cache holds that tensor itself (not its id), which cannot be reused for another
+    mask while it is held. The gates' decisions are not part of it: they change per layer and, in training,
+    only bias scores (nothing is removed), so there is nothing more to skip by structure."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, _, q_len, k_len = valid.shape
+    if attention_mask is not None and _BLOCK_MASK_CACHE:
+        (cached_mask, *cached_lengths), cached_block_mask = _BLOCK_MASK_CACHE
+        if cached_mask is attention_mask and cached_lengths == [q_len, k_len]:
+            return cached_block_mask
+    visible = valid.contiguous()
+    block_mask = create_block_mask(lambda b, h, q, kv: visible[b, 0, q, kv], batch, None, q_len, k_len,
+                                   device=valid.device)
+    _BLOCK_MASK_CACHE[:] = [(attention_mask, q_len, k_len), block_mask]
+    return block_mask
+
+
+def _flex(query, key, value, score_mod, scaling, block_mask=None):
+    """FlexAttention with the gate's bias computed per score from per-key vectors (no [B, H, T, T] tensor),
+    skipping the blocks `block_mask` marks empty.
 
     Compiled into a fused kernel on CUDA; elsewhere (tests) the unfused reference implementation runs.
     """
     group = query.shape[1] // key.shape[1]
     kernel = _flex_kernel(query.is_cuda)
-    return kernel(query, key, value, score_mod=score_mod, scale=scaling, enable_gqa=group > 1)
+    return kernel(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=group > 1)

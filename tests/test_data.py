@@ -33,6 +33,49 @@ def test_openr1_keeps_only_math_verified_generations(openr1_files):
     assert set(ds.column_names) == {"prompt", "completion", "answer"}
 
 
+def test_openr1_filter_in_parallel_keeps_the_same_rows(openr1_files, tmp_path):
+    rows = openr1_files.read_text().splitlines() * 3
+    many = tmp_path / "many.jsonl"
+    many.write_text("\n".join(rows))
+    one = load_source(cfg(source="openr1", path=str(many)), seed=0, num_rows=-1)
+    two = load_source(cfg(source="openr1", path=str(many), num_proc=2), seed=0, num_rows=-1)
+    assert len(one) == 9 and one.to_list() == two.to_list()
+
+
+PREPARE_ONCE = """
+import sys, time
+from transformers import AutoTokenizer
+from data import RetrofitDataModule
+from data.config import DataConfig
+from models.backbone import embedded_model_dir
+tok = AutoTokenizer.from_pretrained(embedded_model_dir())
+module = RetrofitDataModule(DataConfig(source="gsm_symbolic", train_samples=40, eval_samples=4, max_length=64, num_proc=2),
+                            tok, 0, sys.argv[1])
+while time.time() < float(sys.argv[2]):  # start together
+    time.sleep(0.01)
+prepared = module.prepare_once()
+module.setup()
+print("PREPARED" if prepared else "READ", len(module.train_set), len(module.eval_set))
+"""
+
+
+def test_concurrent_preparers_prepare_once_and_all_read_it(tmp_path):
+    """Several nodes' first processes over one shared cache: one prepares under the lock, the others wait and read."""
+    import subprocess
+    import sys
+    import time
+
+    start = str(time.time() + 8)
+    procs = [subprocess.Popen([sys.executable, "-c", PREPARE_ONCE, str(tmp_path), start], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in results]
+    lines = sorted(out.strip().splitlines()[-1] for out, _ in results)
+    assert [line.split()[0] for line in lines] == ["PREPARED", "READ", "READ"], lines
+    assert len({tuple(line.split()[1:]) for line in lines}) == 1  # the same splits everywhere
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []  # no staging folder left behind
+
+
 def test_openr1_filter_to_nothing_is_a_clear_error(tmp_path, tokenizer):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"problem": "1+1?", "answer": "2", "generations": ["\\boxed{3}"]}))

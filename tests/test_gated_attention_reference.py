@@ -218,3 +218,23 @@ def test_flex_score_mod_path_matches_sdpa_path(monkeypatch):
         for kind in ("dms", "trimkv"):
             a, b = outs["sdpa", mode, kind], outs["flex", mode, kind]
             torch.testing.assert_close(a[rows.expand_as(a)], b[rows.expand_as(b)], atol=2e-5, rtol=0)
+
+
+def test_flex_block_mask_skips_exactly_the_blocks_without_visible_keys():
+    """The BlockMask FlexAttention gets marks a (query block, key block) pair computed iff some query there may
+    see some key (causal and padding); it is built once per forward and shared by every layer."""
+    from models.attention import visible_blocks
+
+    real = torch.ones(2, 300, dtype=torch.bool)
+    real[1, :170] = False  # left padding: the second row's first key block is all padding
+    mask = causal_padding_mask(real)
+    valid = mask if mask.dtype == torch.bool else mask == 0
+    block_mask = visible_blocks(mask, valid)
+    dense = block_mask.to_dense()[:, 0].bool()  # [B, query blocks, key blocks]
+    blocks = -(-300 // 128)
+    padded = torch.zeros(2, blocks * 128, blocks * 128, dtype=torch.bool)
+    padded[:, :300, :300] = valid[:, 0]
+    expected = padded.view(2, blocks, 128, blocks, 128).any(4).any(2)
+    assert torch.equal(dense, expected)
+    assert not dense[0, 0, 1] and not dense[1, 2, 0] and dense[1, 2, 1]  # above the diagonal; all-padding keys
+    assert visible_blocks(mask, valid) is block_mask  # the next layer of the same forward reuses it

@@ -39,6 +39,50 @@ def test_scale_recipes_dry_run_without_downloading(name, capsys, monkeypatch):
     assert report["strategy"] == "DeepSpeedStrategy" or report["strategy"] == "CPUDeepSpeedStrategy"
 
 
+@pytest.mark.parametrize("nodes,accumulate", [(1, 128), (2, 64), (4, 32)])
+def test_global_batch_stays_fixed_as_nodes_are_added(nodes, accumulate):
+    """The 7B recipe states 1024 sequences per optimizer step; accumulation absorbs devices x nodes."""
+    from train.run import batch_figures, dry_run
+
+    cfg = load_recipe("dms_qwen7b_cr8", [f"trainer.num_nodes={nodes}"])
+    figures = batch_figures(cfg, 8)
+    assert figures == {"ranks": 8 * nodes, "micro_batch_per_rank": 1, "accumulate_grad_batches": accumulate,
+                       "global_batch_sequences": 1024, "tokens_per_step": 1024 * 8192}
+    if nodes == 2:
+        report = dry_run(cfg)
+        assert report["tokens_per_step"] == 8_388_608 and report["accumulate_grad_batches"] == 64
+        memory = report["memory_per_rank"]  # full fine-tune, bf16, ZeRO-2 over 16 ranks
+        params = report["backbone_parameters"]
+        assert memory["weights_gb"] == memory["teacher_gb"] == round(2 * params / 1e9, 2)
+        assert memory["optimizer_gb"] == pytest.approx(12 * params / 16 / 1e9, abs=0.02)
+        assert memory["gradients_gb"] == pytest.approx(2 * params / 16 / 1e9, abs=0.02)
+
+
+def test_memory_per_rank_follows_the_zero_stage():
+    from train.run import memory_per_rank
+
+    def total(*overrides):
+        cfg = load_recipe("dms_qwen7b_cr8", list(overrides))
+        return memory_per_rank(cfg, params_total=1_000_000_000, params_trained=1_000_000_000, ranks=10)
+
+    assert total("strategy.name=ddp")["total_gb"] == 2 + 2 + 12 + 2
+    assert total("strategy.zero_stage=1")["total_gb"] == 2 + 2 + 1.2 + 2
+    assert total("strategy.zero_stage=2")["total_gb"] == 2 + 0.2 + 1.2 + 2
+    assert total("strategy.zero_stage=3")["total_gb"] == 0.2 + 0.2 + 1.2 + 2
+    assert total("strategy.zero_stage=2", "strategy.offload_optimizer=true")["optimizer_gb"] == 0
+    frozen = memory_per_rank(load_recipe("dms_smollm2_cr4"), params_total=10**9, params_trained=10**6, ranks=1)
+    assert frozen["teacher_gb"] == 0 and frozen["weights_gb"] == 4 and frozen["optimizer_gb"] == 0.01
+
+
+def test_devices_per_node_reads_every_form_lightning_accepts():
+    from train.config import devices_per_node
+
+    def count(devices):
+        return devices_per_node(load_recipe("dms_smollm2_cr4", [f"trainer.devices={devices}", "trainer.accelerator=cpu"]))
+
+    assert [count("3"), count("[0,2]"), count("'0,1,2'"), count("'1,'"), count("auto")] == [3, 2, 3, 1, 1]
+
+
 def test_paper_numbers_in_the_qwen7b_recipe():
     cfg = load_recipe("dms_qwen7b_cr8")
     assert cfg.model.backbone == "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"
@@ -72,7 +116,10 @@ def test_default_recipe_and_overrides():
     (["optim.grad_clip=-1"], r"optim.grad_clip=-1.0 is invalid; it must be >= 0"),
     (["recipe=trimkv_smollm2_m128", "gate.trimkv.budget=4096"], r"budget=4096 leaves nothing to evict.*max_length=512"),
     (["loss.chunk_tokens=0"], r"loss.chunk_tokens=0 is invalid; it must be >= 1"),
-    (["trainer.accumulate_grad_batches=0"], r"trainer.accumulate_grad_batches=0 is invalid"),
+    (["trainer.global_batch_size=0"], r"trainer.global_batch_size=0 is invalid; it must be >= 1"),
+    (["trainer.global_batch_size=3", "trainer.devices=2"], r"global_batch_size=3 is not a multiple of devices \(2\) x "
+     r"trainer.num_nodes \(1\) x data.batch_size \(1\) = 2; valid nearby: 2 or 4"),
+    (["--local_rank=x"], r"'--local_rank=x': the local rank must be a non-negative integer"),
     (["trainer.devices=0"], r"trainer.devices=0 is invalid; valid: a count >= 1"),
     (["data.eval_samples=-1"], r"data.eval_samples=-1 is invalid; it must be >= 0"),
     (["loss.temperature=0"], r"loss.temperature=0.0 is invalid; it must be > 0"),

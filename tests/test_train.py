@@ -200,3 +200,62 @@ def test_first_losses_match_the_recorded_values(kind, tiny_backbone, tmp_path):
     train(load_recipe(recipe, overrides(tiny_backbone, tmp_path / "run", **extra)))
     losses = scalars(tmp_path / "run", "train/loss")
     assert [losses[step] for step in range(3)] == pytest.approx(RECORDED_LOSSES[kind], rel=1e-4, abs=1e-6)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_node_torchrun(args: list[str]) -> list[subprocess.Popen]:
+    """Two torchrun launches on localhost, one per simulated node (`--node-rank 0|1`, gloo), each in its own
+    process group so a test can kill a node with everything it started."""
+    port = _free_port()
+    return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                              "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                              "-m", "train", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+            for node in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_two_torchrun_nodes_match_one_process_and_resume_after_kill(tiny_backbone, tmp_path):
+    """`torchrun --nnodes 2 --node-rank 0|1` on localhost computes what one process computes for the same global
+    batch (4 sequences: accumulation 2 x batch 2 in one process, accumulation 2 x 2 nodes x micro-batch 1), and a
+    run whose two nodes are killed resumes to the same losses."""
+    steps = 6
+    common = {"trainer.max_steps": steps, "trainer.accelerator": "cpu", "trainer.val_check_interval": 100,
+              "trainer.global_batch_size": 4}
+    single = tmp_path / "single"
+    train(load_recipe("dms_smollm2_cr4", overrides(tiny_backbone, single, **common, **{"data.batch_size": 2})))
+    nodes = {"data.batch_size": 1, "trainer.devices": 1, "trainer.num_nodes": 2, "strategy.name": "ddp"}
+    two = tmp_path / "two_nodes"
+    procs = _two_node_torchrun(overrides(tiny_backbone, two, **common, **nodes))
+    for proc in procs:
+        assert proc.wait(timeout=600) == 0, proc.stderr.read()[-3000:]
+    one, both = scalars(single, "train/loss"), scalars(two, "train/loss")
+    assert sorted(one) == sorted(both) == list(range(steps))
+    for step in one:
+        assert both[step] == pytest.approx(one[step], rel=1e-4, abs=1e-5), (one, both)
+
+    # kill both nodes once a checkpoint exists, then resume both with resume=auto
+    killed = tmp_path / "killed"
+    procs = _two_node_torchrun(overrides(tiny_backbone, killed, **{**common, **nodes, "trainer.max_steps": 200}))
+    deadline = time.time() + 300
+    while not list((killed / "resume_state").glob("step*.ckpt")) and time.time() < deadline \
+            and all(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    for proc in procs:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    done_before = int(sorted((killed / "resume_state").glob("step*.ckpt"))[-1].stem[4:])
+    assert done_before < steps, "the run must be killed part-way"
+    procs = _two_node_torchrun(overrides(tiny_backbone, killed, **common, **nodes, **{"resume": "auto"}))
+    for proc in procs:
+        assert proc.wait(timeout=600) == 0, proc.stderr.read()[-3000:]
+    resumed = scalars(killed, "train/loss")
+    assert all(resumed[s] == pytest.approx(one[s], rel=1e-4, abs=1e-5) for s in range(done_before, steps)), (one, resumed)

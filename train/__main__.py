@@ -9,6 +9,7 @@ import sys
 from recipes import RecipeError, available_recipes
 from train.config import DEFAULT_RECIPE, load_recipe, to_yaml
 from train.errors import NonFiniteLossError
+from train.launch import local_rank_argument
 
 USAGE = f"""usage: python -m train [recipe=NAME] [key=value ...] [--dry-run] [--print-config]
 
@@ -26,6 +27,7 @@ recipes:
 
 
 def parse(argv: list[str]) -> tuple[str, list[str], set[str]]:
+    argv = local_rank_argument(argv)  # DeepSpeed's launcher appends --local_rank=N
     flags = {a for a in argv if a.startswith("--")}
     unknown = flags - {"--dry-run", "--print-config", "--help"}
     if unknown:

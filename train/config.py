@@ -169,8 +169,9 @@ class TrainerConfig:
     """Nodes of a multi-node run."""
     precision: str = "32-true"
     """Lightning precision: 32-true | bf16-mixed | bf16-true | 16-mixed."""
-    accumulate_grad_batches: int = 1
-    """Micro-batches per optimizer step."""
+    global_batch_size: Optional[int] = None
+    """Sequences per optimizer step over all devices and nodes (None: one micro-batch per device). Gradient
+    accumulation is derived: global_batch_size / (devices x num_nodes x data.batch_size), which must divide."""
     log_every_n_steps: int = 1
     """TensorBoard logging interval."""
     val_check_interval: Optional[int] = None
@@ -262,12 +263,16 @@ def validate(config: RunConfig) -> None:
                           "a list of device indices, or 'auto'")
     tree = OmegaConf.structured(config)
     _at_least(tree, 1, "data.batch_size", "loss.chunk_tokens", "schedule.steps_per_cr", "trainer.num_nodes",
-              "trainer.accumulate_grad_batches", "trainer.log_every_n_steps", "trainer.checkpoint_every_n_steps")
+              "trainer.log_every_n_steps", "trainer.checkpoint_every_n_steps", "data.num_proc")
     _at_least(tree, 0, "data.eval_samples", "data.num_workers", "schedule.hold_steps", "schedule.neuron_warmup_steps",
               "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "loss.kl_weight", "loss.ntp_weight",
               "loss.capacity_weight", "trainer.snapshot_every_n_steps")
     if config.trainer.val_check_interval is not None:
         _at_least(tree, 1, "trainer.val_check_interval")
+    if config.trainer.global_batch_size is not None:
+        _at_least(tree, 1, "trainer.global_batch_size")
+        if isinstance(config.trainer.devices, int) and config.trainer.devices >= 1:
+            accumulation(config, config.trainer.devices)  # known now; "auto" / -1 are checked when the run starts
     if config.trainer.keep_checkpoints < -1:
         raise RecipeError(f"trainer.keep_checkpoints={config.trainer.keep_checkpoints} is invalid; valid: -1 (keep all), "
                           "0 (only last.ckpt) or a count >= 1")
@@ -310,6 +315,39 @@ def total_steps(config: RunConfig) -> int:
 
 def ramp_steps(config: RunConfig) -> int:
     return round((config.schedule.cr_final - 1) * config.schedule.steps_per_cr)
+
+
+def devices_per_node(config: RunConfig) -> int:
+    """How many processes `trainer.devices` starts on each node: a count, a list of indices, or what the
+    accelerator sees for "auto" / -1 (Lightning's own count)."""
+    devices = config.trainer.devices
+    if isinstance(devices, str) and devices.strip() not in ("auto", "-1"):
+        parts = [p for p in devices.split(",") if p.strip()]
+        return int(parts[0]) if len(parts) == 1 and not devices.strip().endswith(",") else len(parts)
+    if isinstance(devices, list):
+        return len(devices)
+    if isinstance(devices, int) and devices >= 1:
+        return devices
+    from lightning.pytorch.accelerators import CUDAAccelerator
+
+    accelerator = config.trainer.accelerator
+    gpu = accelerator == "gpu" or (accelerator == "auto" and CUDAAccelerator.is_available())
+    return CUDAAccelerator.auto_device_count() if gpu else 1
+
+
+def accumulation(config: RunConfig, devices: int) -> int:
+    """Micro-batches per optimizer step, so that every optimizer step sees `trainer.global_batch_size`
+    sequences whatever the number of devices and nodes."""
+    per_pass = devices * config.trainer.num_nodes * config.data.batch_size
+    wanted = config.trainer.global_batch_size
+    if wanted is None:
+        return 1
+    if wanted % per_pass:
+        low, high = max(per_pass, wanted - wanted % per_pass), wanted - wanted % per_pass + per_pass
+        raise RecipeError(f"trainer.global_batch_size={wanted} is not a multiple of devices ({devices}) x "
+                          f"trainer.num_nodes ({config.trainer.num_nodes}) x data.batch_size ({config.data.batch_size}) "
+                          f"= {per_pass}; valid nearby: {low} or {high}")
+    return wanted // per_pass
 
 
 def to_yaml(config: RunConfig) -> str:

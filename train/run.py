@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from recipes import RecipeError
-from train.config import RunConfig, ramp_steps, to_yaml, total_steps
+from train.config import RunConfig, accumulation, devices_per_node, ramp_steps, to_yaml, total_steps
 
 log = logging.getLogger("retrokv.train")
 RESUME_DIR = "resume_state"  # a run's Lightning checkpoints (what resume=auto reads); snapshots/ holds the gates
@@ -68,7 +68,7 @@ def dry_run(cfg: RunConfig) -> dict:
         "layers": config.num_hidden_layers,
         "query_heads": config.num_attention_heads,
         "kv_heads": config.num_key_value_heads,
-        "backbone_parameters": sum(p.numel() for n, p in model.named_parameters() if "kv_gate" not in n),
+        "backbone_parameters": backbone_params(model),
         "gate": cfg.gate.kind,
         "gate_parameters": gate_params,
         "repurposed_query_neurons": neurons,
@@ -82,15 +82,59 @@ def dry_run(cfg: RunConfig) -> dict:
         "steps": total_steps(cfg),
         "cr_ramp_steps": ramp_steps(cfg) if anneals else None,
         "cr_family": list(range(2, int(cfg.schedule.cr_final) + 1)) if anneals else None,
-        "tokens_per_step": cfg.data.max_length * cfg.data.batch_size * cfg.trainer.accumulate_grad_batches,
+        **batch_figures(cfg, devices_per_node(cfg)),
+        "memory_per_rank": memory_per_rank(cfg, params_total=backbone_params(model), params_trained=trained_params(cfg, model),
+                                           ranks=devices_per_node(cfg) * cfg.trainer.num_nodes),
     }
     return report
+
+
+def batch_figures(cfg: RunConfig, devices: int) -> dict:
+    """What one optimizer step processes, over all devices and nodes."""
+    ranks = devices * cfg.trainer.num_nodes
+    accumulate = accumulation(cfg, devices)
+    sequences = ranks * cfg.data.batch_size * accumulate
+    return {"ranks": ranks, "micro_batch_per_rank": cfg.data.batch_size, "accumulate_grad_batches": accumulate,
+            "global_batch_sequences": sequences, "tokens_per_step": sequences * cfg.data.max_length}
+
+
+def backbone_params(model) -> int:
+    return sum(p.numel() for n, p in model.named_parameters() if "kv_gate" not in n)
+
+
+def trained_params(cfg: RunConfig, model) -> int:
+    """Parameters with gradients and optimizer state (gates always; the backbone when fully fine-tuned;
+    LoRA adapters are small and left out of the estimate)."""
+    gates = sum(p.numel() for n, p in model.named_parameters() if "kv_gate" in n)
+    return gates + (backbone_params(model) if cfg.model.backbone_mode == "full" else 0)
+
+
+def memory_per_rank(cfg: RunConfig, params_total: int, params_trained: int, ranks: int) -> dict:
+    """Model-state memory of one rank in GB (activations excluded), by the ZeRO paper's accounting.
+
+    Weights take the backbone dtype's bytes (b); a trained parameter adds a gradient (b) and AdamW state:
+    two float32 moments, plus a float32 master copy when b < 4. ZeRO-1 partitions the optimizer state over
+    the ranks, ZeRO-2 also the gradients, ZeRO-3 also the weights; DDP partitions nothing. A full
+    fine-tune's teacher is a separate frozen copy on every rank (b per parameter, never partitioned).
+    """
+    b = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.model.dtype]
+    optimizer_bytes = 8 + (4 if b < 4 else 0)
+    stage = cfg.strategy.zero_stage if cfg.strategy.name == "deepspeed" else 0
+    split = lambda level: ranks if stage >= level else 1  # noqa: E731
+    weights = params_total * b / split(3)
+    gradients = params_trained * b / split(2)
+    optimizer = 0 if cfg.strategy.offload_optimizer and stage else params_trained * optimizer_bytes / split(1)
+    teacher = params_total * b if cfg.model.backbone_mode == "full" else 0
+    gb = lambda n: round(n / 1e9, 2)  # noqa: E731
+    return {"weights_gb": gb(weights), "gradients_gb": gb(gradients), "optimizer_gb": gb(optimizer),
+            "teacher_gb": gb(teacher), "total_gb": gb(weights + gradients + optimizer + teacher),
+            "note": "model states only; activations, buffers and fragmentation come on top"}
 
 
 # what a resumed run may change: how long it runs and how it reports, never what it computes
 RESUMABLE_CHANGES = ("resume", "output_dir", "trainer.max_steps", "trainer.log_every_n_steps", "trainer.enable_progress_bar",
                      "trainer.val_check_interval", "trainer.checkpoint_every_n_steps", "trainer.keep_checkpoints",
-                     "trainer.snapshot_every_n_steps", "data.num_workers")
+                     "trainer.snapshot_every_n_steps", "data.num_workers", "data.num_proc")
 
 
 def _check_output_dir(cfg: RunConfig) -> str | None:
@@ -170,9 +214,13 @@ def train(cfg: RunConfig) -> dict:
     from assets import cache_root
     from data import RetrofitDataModule
     from train.callbacks import AtomicModelCheckpoint, CRFamilySnapshots
+    from train.launch import adopt_launcher_environment
     from train.module import RetrofitModule, build_gated_model
     from train.strategy import build_strategy
 
+    devices = devices_per_node(cfg)
+    adopt_launcher_environment(devices, cfg.trainer.num_nodes)  # before Lightning reads the environment
+    accumulate = accumulation(cfg, devices)
     ckpt = _check_output_dir(cfg)
     check_against_backbone(cfg)
     out = Path(cfg.output_dir)
@@ -196,7 +244,7 @@ def train(cfg: RunConfig) -> dict:
         num_nodes=t.num_nodes,
         precision=t.precision,
         strategy=build_strategy(cfg, t.accelerator),
-        accumulate_grad_batches=t.accumulate_grad_batches,
+        accumulate_grad_batches=accumulate,
         gradient_clip_val=cfg.optim.grad_clip if cfg.strategy.name != "deepspeed" else None,
         log_every_n_steps=t.log_every_n_steps,
         val_check_interval=t.val_check_interval or total_steps(cfg),
