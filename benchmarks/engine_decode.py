@@ -89,6 +89,34 @@ def run_interleaved(specs: dict, batch: int, steps: int) -> dict:
 
 
 @torch.no_grad()
+def prefill_ratios(caches: dict, prompt: torch.Tensor, budget: int, repeats: int) -> None:
+    """Prefill time of each cache against the plain cache's prefill of the same prompt, twice: a prompt that fits
+    the budget (one chunk), and the whole prompt (chunks of the budget against one plain pass). Caches take
+    turns within each repeat; the median over repeats is kept."""
+    prompts = {"fits": prompt[:, -budget:], "chunked": prompt}
+    times: dict = {}
+    for _ in range(repeats):
+        for case, ids in prompts.items():
+            for name, (net, make) in caches.items():
+                if name == FLOOR:  # the plain cache is FULL's; the floor differs only in decode
+                    continue
+                cache = make()
+                start = time.perf_counter()
+                net(ids, cache=cache)
+                times.setdefault((case, name), []).append(time.perf_counter() - start)
+                if isinstance(cache, BoundedCache):
+                    cache.close()
+    print(f"\nprefill (median of {repeats}), against the plain DynamicCache prefill of the same prompt")
+    for case, target in (("fits", 1.2), ("chunked", 1.5)):
+        base = statistics.median(times[case, FULL])
+        label = f"{prompts[case].shape[1]} tokens" + (" (fits the budget)" if case == "fits" else f" in chunks of {budget}")
+        print(f"  {label}: plain {base:.2f} s; target <= {target}x")
+        for (c, name), values in times.items():
+            if c == case and name != FULL:
+                print(f"    {name:<20} {statistics.median(values):6.2f} s  x{statistics.median(values) / base:5.2f}")
+
+
+@torch.no_grad()
 def run(model, make_cache, prompt: torch.Tensor, batch: int, steps: int) -> dict:
     """One cache alone (the throughput table, where each batch size differs)."""
     return run_interleaved({"one": (model, make_cache, prompt)}, batch, steps)["one"]
@@ -106,6 +134,7 @@ def main() -> None:
     parser.add_argument("--memory-cap-mb", type=float, help="KV memory cap for the throughput table "
                         "(default: what two full-cache sequences need)")
     parser.add_argument("--cap-steps", type=int, default=16, help="decode steps timed per throughput row")
+    parser.add_argument("--prefill-repeats", type=int, default=2, help="timed prefills per cache and prompt")
     args = parser.parse_args()
 
     from models import load_backbone
@@ -157,6 +186,8 @@ def main() -> None:
         if ("tova", batch) in rows and ("window", batch) in rows:
             ratio = rows["tova", batch]["step_s"] / rows["window", batch]["step_s"]
             print(f"TOVA / window step time, batch {batch}: {ratio:.3f} (target <= 1.2)")
+
+    prefill_ratios(caches, prompt, args.budget, args.prefill_repeats)
 
     first = args.batches[0]
     cap = args.memory_cap_mb * 2**20 if args.memory_cap_mb else 2 * rows[FULL, first]["kv_bytes"] / first

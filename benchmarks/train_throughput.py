@@ -29,6 +29,7 @@ def main() -> None:
 
     cfg = load_recipe(args.recipe, ["model.backbone_mode=lora"])
     module = RetrofitModule(cfg)
+    module.configure_model()  # what Lightning calls once the device is known; here the CPU
     ids = torch.randint(0, module.model.config.vocab_size, (cfg.data.batch_size, cfg.data.max_length))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
     tokens = ids.numel()

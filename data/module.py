@@ -73,7 +73,8 @@ class RetrofitDataModule(L.LightningDataModule):
         self.train_set: datasets.Dataset | None = None
         self.eval_set: datasets.Dataset | None = None
 
-    def _cache_key(self) -> str:
+    def cache_key(self) -> str:
+        """The prepared data's folder name: a hash of everything that changes what preparation produces."""
         fields = {k: getattr(self.cfg, k) for k in ("source", "path", "split", "text_column", "train_samples",
                                                      "eval_samples", "max_length", "packing", "chat_template",
                                                      "mask_prompt", "too_long")}
@@ -96,7 +97,7 @@ class RetrofitDataModule(L.LightningDataModule):
         """
         from filelock import FileLock, Timeout
 
-        folder = self.cache_dir / self._cache_key()
+        folder = self.cache_dir / self.cache_key()
         if (folder / "train").is_dir():
             return False
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -129,7 +130,7 @@ class RetrofitDataModule(L.LightningDataModule):
             shutil.rmtree(staging, ignore_errors=True)
 
     def setup(self, stage: str | None = None) -> None:
-        folder = self.cache_dir / self._cache_key()
+        folder = self.cache_dir / self.cache_key()
         if not (folder / "train").is_dir():  # another node's cache, or prepare_data was not called
             self.prepare_once()
         self.train_set = datasets.load_from_disk(str(folder / "train"))

@@ -11,6 +11,7 @@ from models.backbone import (
     BackboneError,
     load_backbone,
     load_backbone_config,
+    load_tokenizer,
 )
 from models.gates import GATE_KINDS, DMSSettings, GateError, GateMode, TrimKVSettings, gate_kind
 from models.gating import (
@@ -29,7 +30,7 @@ from models.pretrained import from_pretrained
 from models.trainable import build_gated_model, configure_backbone
 
 __all__ = [
-    "EMBEDDED_NAME", "BackboneError", "load_backbone", "load_backbone_config", "SUPPORTED_FAMILIES", "GATE_KINDS",
+    "EMBEDDED_NAME", "BackboneError", "load_backbone", "load_backbone_config", "load_tokenizer", "SUPPORTED_FAMILIES", "GATE_KINDS",
     "DMSSettings", "GateError", "GateMode", "TrimKVSettings", "attach_gates", "build_gated_model",
     "configure_backbone", "detach_gates", "from_pretrained", "gate_kind", "gate_mode", "gate_outputs", "gate_settings", "gate_state",
     "gate_statistics", "model_gates", "set_gate_mode",

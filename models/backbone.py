@@ -81,30 +81,49 @@ def load_backbone_config(name_or_path: str):
         ) from err
 
 
+def load_tokenizer(name_or_path: str = EMBEDDED_NAME) -> PreTrainedTokenizerBase:
+    """The backbone's tokenizer, with a pad token (EOS when it has none)."""
+    tokenizer = AutoTokenizer.from_pretrained(resolve_backbone_path(name_or_path))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_backbone(
     name_or_path: str = EMBEDDED_NAME,
     dtype: torch.dtype | str = torch.float32,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = "cpu",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer.
 
     `"smollm2-135m"` is the embedded default (no network); any other value is a Hub id or local folder.
+    The weights are read straight onto `device`, shard by shard: a GPU rank never holds a host copy.
+    `device=None` leaves placement to an active DeepSpeed ZeRO-3 configuration, which partitions the
+    weights over the ranks as they load (transformers' `HfDeepSpeedConfig` integration).
     """
     if isinstance(dtype, str):
         dtype = _parse_dtype(dtype)
     path = resolve_backbone_path(name_or_path)
     config = load_backbone_config(path) if path != name_or_path else load_backbone_config(name_or_path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
+                                                     device_map=_placement(device))
     except ValueError as err:
         raise BackboneError(
             f"{name_or_path!r} is a {type(config).__name__} ({config.model_type}), not a causal language model: "
             f"{err}"
         ) from err
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model.to(device).eval(), tokenizer
+    return model.eval(), load_tokenizer(name_or_path)
+
+
+def _placement(device: torch.device | str | None) -> torch.device | None:
+    """from_pretrained's device_map for `device`. The CPU is named without an index: transformers treats
+    "cpu:0" as another device than the memory-mapped checkpoint and copies every tensor (twice at peak),
+    where plain "cpu" keeps the weights mapped from the file until they are written."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    return torch.device("cpu") if device.type == "cpu" else device
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

@@ -65,8 +65,12 @@ def attach_gates(model: nn.Module, kind: str = "dms", **settings: Any) -> nn.Mod
     ref = next(model.parameters())
     gate_type = gate_kind(kind).gate_type
     for idx, layer in enumerate(decoder_layers(model)):
-        # gates train in float32 whatever the backbone's dtype: they are tiny and AdamW needs the precision
-        gate = gate_type(config, idx, state, parsed).to(device=ref.device, dtype=torch.float32)
+        gate = gate_type(config, idx, state, parsed)
+        if hasattr(ref, "ds_id"):  # built under ZeRO-3's zero.Init: already placed, cast and partitioned
+            _initialize_partitioned(gate)
+        else:
+            # gates train in float32 whatever the backbone's dtype: they are tiny and AdamW needs the precision
+            gate = gate.to(device=ref.device, dtype=torch.float32)
         setattr(layer.self_attn, GATE_ATTRIBUTE, gate)
         gate.install_hooks(layer)
     model.retrokv_state = state
@@ -75,6 +79,15 @@ def attach_gates(model: nn.Module, kind: str = "dms", **settings: Any) -> nn.Mod
     register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
     return model
+
+
+def _initialize_partitioned(gate: KVGate) -> None:
+    """zero.Init partitions each submodule's parameters as its constructor returns, so the gate's own
+    initialisation after that (zeros, constants) wrote nothing: run it again on the gathered parameters."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(gate.parameters()), modifier_rank=0):
+        gate.reset_parameters()
 
 
 def rehook_gates(model: nn.Module) -> nn.Module:

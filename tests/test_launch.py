@@ -64,3 +64,4 @@ def test_local_rank_argument_is_accepted_and_checked():
         local_rank_argument(["--local_rank=1"], env)
     fresh = {}
     assert local_rank_argument(["--local-rank=4"], fresh) == [] and fresh["LOCAL_RANK"] == "4"
+

@@ -56,6 +56,19 @@ def test_chunked_distillation_equals_unchunked_and_has_gradients(direction):
     assert grad_chunked[0, :3].abs().sum() == 0 and grad_chunked[1].abs().sum() > 0
 
 
+def test_a_separate_teacher_scores_with_its_own_head():
+    """A full fine-tune trains the student's LM head; the teacher's logits come from the teacher's head."""
+    torch.manual_seed(0)
+    head, teacher_head = torch.nn.Linear(8, 13, bias=False), torch.nn.Linear(8, 13, bias=False)
+    student, teacher = torch.randn(1, 6, 8), torch.randn(1, 6, 8)
+    ids, mask = torch.randint(0, 13, (1, 6)), torch.ones(1, 6, dtype=torch.long)
+    kl, _ = chunked_distillation(head, student, teacher, mask, ids, "reverse", 1.0, teacher_head=teacher_head)
+    expected = reference_kl(head(student[0]).detach(), teacher_head(teacher[0]).detach(), "reverse", 1.0).mean()
+    torch.testing.assert_close(kl.double(), expected.double(), atol=1e-5, rtol=1e-5)
+    shared, _ = chunked_distillation(head, student, teacher, mask, ids, "reverse", 1.0)
+    assert not torch.allclose(kl, shared)
+
+
 def test_dms_capacity_loss_is_one_sided_and_masks_padding():
     mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
     decisions = torch.zeros(2, 1, 5)

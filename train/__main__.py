@@ -11,7 +11,7 @@ from train.config import DEFAULT_RECIPE, load_recipe, to_yaml
 from train.errors import NonFiniteLossError
 from train.launch import local_rank_argument
 
-USAGE = f"""usage: python -m train [recipe=NAME] [key=value ...] [--dry-run] [--print-config]
+USAGE = f"""usage: python -m train [recipe=NAME] [key=value ...] [--dry-run] [--print-config] [--prepare-data]
 
 Retrofit a pretrained causal LM with learned KV-cache eviction gates (DMS or TRIM-KV).
 
@@ -20,6 +20,8 @@ Retrofit a pretrained causal LM with learned KV-cache eviction gates (DMS or TRI
   --dry-run        resolve and validate the recipe against the backbone's architecture, build the
                    strategy, and print what would run; loads no weights, downloads nothing
   --print-config   print the resolved config and exit
+  --prepare-data   prepare the recipe's data into the cache and exit (once, before a multi-node run,
+                   so no rank waits on it inside a collective's timeout)
 
 recipes:
 {{recipes}}
@@ -29,9 +31,9 @@ recipes:
 def parse(argv: list[str]) -> tuple[str, list[str], set[str]]:
     argv = local_rank_argument(argv)  # DeepSpeed's launcher appends --local_rank=N
     flags = {a for a in argv if a.startswith("--")}
-    unknown = flags - {"--dry-run", "--print-config", "--help"}
+    unknown = flags - {"--dry-run", "--print-config", "--prepare-data", "--help"}
     if unknown:
-        raise RecipeError(f"unknown option(s) {sorted(unknown)}; valid: --dry-run, --print-config, --help")
+        raise RecipeError(f"unknown option(s) {sorted(unknown)}; valid: --dry-run, --print-config, --prepare-data, --help")
     rest = [a for a in argv if not a.startswith("-")]
     recipes = [a.split("=", 1)[1] for a in rest if a.startswith("recipe=")]
     if len(recipes) > 1:
@@ -56,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
 
             print(json.dumps(dry_run(cfg), indent=2, default=str))
             print(f"dry run ok: recipe {name} is valid")
+            return 0
+        if "--prepare-data" in flags:
+            from train.run import prepare_data
+
+            print(json.dumps(prepare_data(cfg), indent=2))
             return 0
         from train.run import train
 

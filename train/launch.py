@@ -79,3 +79,4 @@ def _adopt_deepspeed(env: MutableMapping[str, str], devices_per_node: int, num_n
                           "the hostfile gives nodes different slot counts, and Lightning needs the same number of "
                           "devices on every node")
     env["NODE_RANK"] = str(node)
+

@@ -14,10 +14,10 @@ from torch.utils.checkpoint import checkpoint
 from models.metrics import token_kl
 
 
-def _chunk_terms(head, student_h, teacher_h, labels, direction, temperature):
+def _chunk_terms(head, teacher_head, student_h, teacher_h, labels, direction, temperature):
     student = head(student_h)
     with torch.no_grad():
-        teacher = head(teacher_h)
+        teacher = teacher_head(teacher_h)
     kl = token_kl(student, teacher, direction, temperature).sum()
     valid = labels >= 0
     nll = F.cross_entropy(student.float()[valid], labels[valid], reduction="sum") if valid.any() else student.sum() * 0
@@ -26,8 +26,12 @@ def _chunk_terms(head, student_h, teacher_h, labels, direction, temperature):
 
 def chunked_distillation(head: torch.nn.Module, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
                          loss_mask: torch.Tensor, input_ids: torch.Tensor, direction: str = "reverse",
-                         temperature: float = 1.0, chunk_tokens: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+                         temperature: float = 1.0, chunk_tokens: int = 1024,
+                         teacher_head: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean KL over masked tokens and mean next-token NLL, from hidden states [B, T, H].
+
+    `teacher_head` is the teacher's own LM head when it is a separate model (a full fine-tune trains the
+    student's head, which must not move the target); by default the teacher shares the student's.
 
     loss_mask [B, T] marks positions whose next-token distribution is distilled (0 on padding). The NLL
     target of a marked position t is input_ids[t + 1] when that token is marked too (real, not padding).
@@ -41,8 +45,8 @@ def chunked_distillation(head: torch.nn.Module, student_hidden: torch.Tensor, te
     for start in range(0, s.shape[0], chunk_tokens):
         part = slice(start, start + chunk_tokens)
         if torch.is_grad_enabled() and s.requires_grad:
-            total = total + checkpoint(_chunk_terms, head, s[part], t[part], y[part], direction, temperature,
-                                       use_reentrant=False)
+            total = total + checkpoint(_chunk_terms, head, teacher_head or head, s[part], t[part], y[part], direction,
+                                       temperature, use_reentrant=False)
         else:
-            total = total + _chunk_terms(head, s[part], t[part], y[part], direction, temperature)
+            total = total + _chunk_terms(head, teacher_head or head, s[part], t[part], y[part], direction, temperature)
     return total[0] / n_kl, total[1] / n_nll

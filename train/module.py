@@ -18,11 +18,13 @@ from train.config import RunConfig
 from train.errors import NonFiniteLossError
 from train.losses import chunked_distillation
 from train.schedule import schedule_at
+from train.strategy import zero3_inference_engine, zero3_loading
 
 
-def build_gated_model(cfg: RunConfig):
-    """Backbone + gates + trainable set, as the recipe says. Returns (model, tokenizer)."""
+def build_gated_model(cfg: RunConfig, device: torch.device | str = "cpu"):
+    """Backbone + gates + trainable set, as the recipe says, on `device`. Returns (model, tokenizer)."""
     return models.build_gated_model(cfg.model.backbone, cfg.gate.kind, cfg.gate.settings(), dtype=cfg.model.dtype,
+                                    device=device,
                                     backbone_mode=cfg.model.backbone_mode, lora=cfg.model.lora_settings(),
                                     activation_checkpointing=cfg.model.activation_checkpointing)
 
@@ -34,20 +36,44 @@ def causal_lm_parts(model):
 
 
 class RetrofitModule(L.LightningModule):
-    def __init__(self, cfg: RunConfig, model=None, teacher=None):
+    def __init__(self, cfg: RunConfig):
         super().__init__()
         self.cfg = cfg
-        self.model = model if model is not None else build_gated_model(cfg)[0]
+        self.model = None  # built by configure_model, once this rank's device is known
         # a full fine-tune changes the backbone, so the teacher is a separate frozen copy kept outside the
-        # module's parameters (and so outside any DeepSpeed engine: ZeRO-3 would otherwise partition it)
-        self._teacher = [teacher] if teacher is not None else []
-        self.model.train()  # backbones load in eval mode; dropout settings are the model config's
-        self.gate_state = models.gate_state(self.model)
+        # module's parameters (and so outside the student's DeepSpeed engine)
+        self._teacher: list = []  # (a list: not a submodule, so no engine or checkpoint of the student owns it)
+        self._teacher_engine: list = []  # under ZeRO-3: the DeepSpeed engine that gathers the teacher's partitions
         self.kind = gate_kind(cfg.gate.kind)
         self._base_tau = getattr(cfg.gate.selected(), "tau", None)  # a kind with a temperature anneals it
         self._tokens_seen = 0
         self._clock = None
         self.last_gate_table: dict[str, list] = {}  # per (layer, KV head) statistics of the last step, for summary.json
+
+    def configure_model(self) -> None:
+        """Build the student (and a full fine-tune's teacher) on this rank's device.
+
+        Lightning calls this on every rank once the device and process group exist, so the weights are read
+        straight onto the rank's device (a GPU rank holds no host copy), and under DeepSpeed ZeRO-3, where
+        Lightning's zero.Init context is active here, they are partitioned as they load: each rank holds its
+        share of the student and of the teacher. It builds once (Lightning may call it again).
+        """
+        if self.model is not None:
+            return
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        zero3 = getattr(strategy, "zero_stage_3", False)
+        device = None if zero3 else (strategy.root_device if strategy is not None else torch.device("cpu"))
+        torch.manual_seed(self.cfg.seed)  # gate initialisation does not depend on what ran before this hook
+        with zero3_loading(strategy.config if zero3 else None):
+            self.model = build_gated_model(self.cfg, device)[0]
+            if self.cfg.model.backbone_mode == "full":
+                teacher = models.load_backbone(self.cfg.model.backbone, dtype=self.cfg.model.dtype, device=device)[0]
+                teacher.requires_grad_(False)
+                if zero3:
+                    self._teacher_engine = [zero3_inference_engine(teacher, strategy.config)]
+                self._teacher = [teacher]
+        self.model.train()  # backbones load in eval mode; dropout settings are the model config's
+        self.gate_state = models.gate_state(self.model)
 
     # ---- forward passes -------------------------------------------------------------------------
     def _hidden(self, model, batch):
@@ -57,7 +83,7 @@ class RetrofitModule(L.LightningModule):
     def teacher_hidden(self, batch) -> torch.Tensor:
         with torch.no_grad():
             if self._teacher:
-                return self._hidden(self._teacher[0].to(self.device), batch)
+                return self._hidden(self._teacher[0], batch)
             with models.gate_mode(self.model, GateMode.OFF), self._adapters_off():
                 return self._hidden(self.model, batch)
 
@@ -78,9 +104,10 @@ class RetrofitModule(L.LightningModule):
             outputs = models.gate_outputs(self.model)
             per_layer = models.gate_statistics(self.model, batch["attention_mask"])
         _, head = causal_lm_parts(self.model)
+        teacher_head = causal_lm_parts(self._teacher[0])[1] if self._teacher else None
         mask = batch["loss_mask"] * batch["attention_mask"]
         kl, nll = chunked_distillation(head, student, teacher, mask, batch["input_ids"], cfg.loss.kl_direction,
-                                       cfg.loss.temperature, cfg.loss.chunk_tokens)
+                                       cfg.loss.temperature, cfg.loss.chunk_tokens, teacher_head=teacher_head)
         out = {"kl": kl, "nll": nll, "cr_target": torch.tensor(sched.cr)}
         out.update(self.kind.capacity_terms(outputs, batch["attention_mask"], cfg.gate.selected(),
                                             sched.eviction_target, cfg.loss))

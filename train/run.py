@@ -115,7 +115,7 @@ def memory_per_rank(cfg: RunConfig, params_total: int, params_trained: int, rank
     Weights take the backbone dtype's bytes (b); a trained parameter adds a gradient (b) and AdamW state:
     two float32 moments, plus a float32 master copy when b < 4. ZeRO-1 partitions the optimizer state over
     the ranks, ZeRO-2 also the gradients, ZeRO-3 also the weights; DDP partitions nothing. A full
-    fine-tune's teacher is a separate frozen copy on every rank (b per parameter, never partitioned).
+    fine-tune's teacher is a separate frozen copy (b per parameter), partitioned like the weights under ZeRO-3.
     """
     b = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.model.dtype]
     optimizer_bytes = 8 + (4 if b < 4 else 0)
@@ -124,11 +124,24 @@ def memory_per_rank(cfg: RunConfig, params_total: int, params_trained: int, rank
     weights = params_total * b / split(3)
     gradients = params_trained * b / split(2)
     optimizer = 0 if cfg.strategy.offload_optimizer and stage else params_trained * optimizer_bytes / split(1)
-    teacher = params_total * b if cfg.model.backbone_mode == "full" else 0
+    teacher = params_total * b / split(3) if cfg.model.backbone_mode == "full" else 0
     gb = lambda n: round(n / 1e9, 2)  # noqa: E731
     return {"weights_gb": gb(weights), "gradients_gb": gb(gradients), "optimizer_gb": gb(optimizer),
             "teacher_gb": gb(teacher), "total_gb": gb(weights + gradients + optimizer + teacher),
             "note": "model states only; activations, buffers and fragmentation come on top"}
+
+
+def prepare_data(cfg: RunConfig) -> dict:
+    """Prepare the recipe's data into the shared cache, as a run's first process would, and say where."""
+    from assets import cache_root
+    from data import RetrofitDataModule
+    from models import load_tokenizer
+
+    module = RetrofitDataModule(cfg.data, load_tokenizer(cfg.model.backbone), cfg.seed, cache_root() / "data")
+    prepared = module.prepare_once()
+    module.setup()
+    return {"folder": str(module.cache_dir / module.cache_key()), "prepared_now": prepared,
+            "train_sequences": len(module.train_set), "eval_sequences": len(module.eval_set or [])}
 
 
 # what a resumed run may change: how long it runs and how it reports, never what it computes
@@ -213,9 +226,10 @@ def train(cfg: RunConfig) -> dict:
 
     from assets import cache_root
     from data import RetrofitDataModule
+    from models import load_tokenizer
     from train.callbacks import AtomicModelCheckpoint, CRFamilySnapshots
     from train.launch import adopt_launcher_environment
-    from train.module import RetrofitModule, build_gated_model
+    from train.module import RetrofitModule
     from train.strategy import build_strategy
 
     devices = devices_per_node(cfg)
@@ -228,13 +242,8 @@ def train(cfg: RunConfig) -> dict:
     if not (out / "config.yaml").is_file() or ckpt is None:
         (out / "config.yaml").write_text(to_yaml(cfg))  # a resumed run keeps the config it started with
     L.seed_everything(cfg.seed, workers=True)
-    model, tokenizer = build_gated_model(cfg)
-    teacher = None
-    if cfg.model.backbone_mode == "full":
-        import models
-
-        teacher = models.load_backbone(cfg.model.backbone, dtype=cfg.model.dtype)[0].requires_grad_(False)
-    module = RetrofitModule(cfg, model=model, teacher=teacher)
+    tokenizer = load_tokenizer(cfg.model.backbone)
+    module = RetrofitModule(cfg)  # the models are built on each rank's device (RetrofitModule.configure_model)
     datamodule = RetrofitDataModule(cfg.data, tokenizer, cfg.seed, cache_root() / "data")
     t = cfg.trainer
     trainer = L.Trainer(

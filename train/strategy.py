@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, Strategy
 
@@ -62,3 +64,35 @@ def build_strategy(cfg, accelerator: str) -> Strategy | str:
         cls = CPUDeepSpeedStrategy if cpu else DeepSpeedStrategy
         return cls(config=deepspeed_config(cfg))
     raise RecipeError(f"strategy.name={name!r} is invalid; valid: auto, single, ddp, deepspeed")
+
+
+@contextlib.contextmanager
+def zero3_loading(config: dict | None):
+    """While active (given a ZeRO-3 DeepSpeed config), transformers' from_pretrained loads partitioned: rank 0
+    reads the checkpoint, every rank keeps only its partition (transformers' HfDeepSpeedConfig integration)."""
+    if config is None:
+        yield
+        return
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    hf_config = HfDeepSpeedConfig(config)  # noqa: F841 -- transformers holds only a weak reference to it
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+
+
+def zero3_inference_engine(model: torch.nn.Module, config: dict):
+    """A DeepSpeed ZeRO-3 engine without optimizer around a frozen, partitioned model (the teacher), so that its
+    forward gathers each layer's weights as it runs; the student's training engine does not own it."""
+    import deepspeed
+
+    precision = {key: config[key] for key in ("bf16", "fp16") if key in config}
+    # the teacher runs in parts (its decoder, then its head chunk by chunk), not as one traced forward, so
+    # prefetching along a recorded trace would fetch the wrong parameters: off
+    zero = {"stage": 3, "stage3_prefetch_bucket_size": 0}
+    engine, *_ = deepspeed.initialize(model=model, config={
+        "zero_optimization": zero, "train_micro_batch_size_per_gpu": config["train_micro_batch_size_per_gpu"],
+        "gradient_accumulation_steps": 1, **precision})
+    engine.eval()
+    return engine

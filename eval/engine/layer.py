@@ -17,6 +17,7 @@ Decode steps log their per-step counts by reference and fold them in every `DECO
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
 
 from eval.engine.policies import NEG, POS, Chunk, EngineError, Policy
@@ -199,7 +200,8 @@ class BoundedLayer(CacheLayerMixin):
         probs = scores.softmax(-1)
         out = probs.to(values.dtype).view(batch, kv_heads, -1, n) @ slot_values
 
-        score = self.policy.keep_scores(chunk, probs if self.policy.needs_probs else None)
+        probs = {False: None, "last": probs[:, :, :, 0], "all": probs}[self.policy.needs_probs]
+        score = self.policy.keep_scores(chunk, probs)
         for name, t in state.items():
             if chunk.state[name] is not t:  # the policy replaced its state (H2O's accumulated attention)
                 t.copy_(chunk.state[name])
@@ -259,9 +261,7 @@ class BoundedLayer(CacheLayerMixin):
         return chunk
 
     def _attend_chunk(self, query, keys, values, positions, real, gate, scaling, decode):
-        batch, heads, c, dim = query.shape
-        kv_heads = keys.shape[1]
-        group = heads // kv_heads
+        batch, heads, c, _ = query.shape
         chunk = self._chunk(query, positions, real, gate)
         slots, cand_pos, cand_ok = chunk.num_slots, chunk.cand_pos, chunk.cand_ok
         positions = chunk.positions
@@ -271,24 +271,65 @@ class BoundedLayer(CacheLayerMixin):
         extra = self.policy.visibility(chunk)
         if extra is not None:
             visible = visible & extra
-        new_keys = keys
-        if self.inv_freq is not None:
-            query, slot_keys, new_keys = self._compress_positions(chunk, slot_keys, keys)
-        flat_q = query.reshape(batch, kv_heads, group * c, dim)
-        scores = torch.cat([flat_q @ slot_keys.transpose(-1, -2), flat_q @ new_keys.transpose(-1, -2)], -1)
-        dtype = torch.promote_types(scores.dtype, torch.float32)  # softmax in float32 at least (float64 stays)
-        scores = scores.to(dtype).mul_(scaling).view(batch, kv_heads, group, c, slots + c)
-        scores.masked_fill_(~visible, torch.finfo(dtype).min)
-        probs = scores.softmax(-1)
-        flat_p = probs.to(values.dtype).view(batch, kv_heads, group * c, slots + c)
-        out = flat_p[..., :slots] @ slot_values + flat_p[..., slots:] @ values
+        if self.policy.needs_probs == "all" or self.inv_freq is not None:
+            out, probs = self._attend_scores(chunk, query, slot_keys, keys, slot_values, values, visible, scaling)
+            if self.policy.needs_probs == "last":
+                probs = probs[torch.arange(batch, device=probs.device), :, :, chunk.last_real]
+        else:
+            out = self._attend_fused(query, slot_keys, keys, slot_values, values, visible, scaling)
+            probs = self._last_query_probs(chunk, slot_keys, keys, visible, scaling) \
+                if self.policy.needs_probs == "last" else None
 
         self._count_reads((visible.any(2) & real[:, None, :, None]).sum(), decode)
-        score = self.policy.keep_scores(chunk, probs if self.policy.needs_probs else None)
+        score = self.policy.keep_scores(chunk, probs)
         self._retain(chunk, score, keys, values)
         self.in_use = slots
         self._count_held(real)
         return out.view(batch, heads, c, -1)
+
+    def _attend_scores(self, chunk: Chunk, query, slot_keys, keys, slot_values, values, visible, scaling):
+        """Attention with the probabilities written out ([B, Hkv, G, c, N]), for a policy that reads all of
+        them (H2O) or for gap compression's re-rotated queries and keys."""
+        batch, heads, c, dim = query.shape
+        kv_heads, slots = keys.shape[1], slot_keys.shape[2]
+        new_keys = keys
+        if self.inv_freq is not None:
+            query, slot_keys, new_keys = self._compress_positions(chunk, slot_keys, keys)
+        flat_q = query.reshape(batch, kv_heads, heads // kv_heads * c, dim)
+        scores = torch.cat([flat_q @ slot_keys.transpose(-1, -2), flat_q @ new_keys.transpose(-1, -2)], -1)
+        dtype = torch.promote_types(scores.dtype, torch.float32)  # softmax in float32 at least (float64 stays)
+        scores = scores.to(dtype).mul_(scaling).view(batch, kv_heads, heads // kv_heads, c, slots + c)
+        scores.masked_fill_(~visible, torch.finfo(dtype).min)
+        probs = scores.softmax(-1)
+        flat_p = probs.to(values.dtype).view(batch, kv_heads, heads // kv_heads * c, slots + c)
+        return flat_p[..., :slots] @ slot_values + flat_p[..., slots:] @ values, probs
+
+    @staticmethod
+    def _attend_fused(query, slot_keys, keys, slot_values, values, visible, scaling):
+        """The chunk's attention through fused SDPA with a boolean mask: no score matrix of our own. A query that
+        sees nothing (padding) is let see its own key: an all-masked row would give NaN, which would reach the
+        padding tokens' keys and values in the next layer, and 0 x NaN the real queries' outputs."""
+        batch, heads, c, _ = query.shape
+        kv_heads, slots = keys.shape[1], slot_keys.shape[2]
+        if slots:
+            keys, values = torch.cat([slot_keys, keys], 2), torch.cat([slot_values, values], 2)
+        own_key = torch.zeros(c, slots + c, dtype=torch.bool, device=query.device)
+        own_key[:, slots:] = torch.eye(c, dtype=torch.bool, device=query.device)
+        mask = visible | (~visible.any(-1, keepdim=True) & own_key)  # [B, Hkv, 1, c, N]
+        mask = mask.expand(-1, -1, heads // kv_heads, -1, -1).reshape(batch, heads, c, slots + c)
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
+                                              enable_gqa=heads > kv_heads)
+
+    @staticmethod
+    def _last_query_probs(chunk: Chunk, slot_keys, keys, visible, scaling) -> torch.Tensor:
+        """[B, Hkv, G, N] the attention of each sequence's last real query of the chunk (what TOVA reads)."""
+        rows = torch.arange(keys.shape[0], device=keys.device)
+        query = chunk.query[rows, :, :, chunk.last_real]  # [B, Hkv, G, D]
+        scores = torch.cat([query @ slot_keys.transpose(-1, -2), query @ keys.transpose(-1, -2)], -1)
+        dtype = torch.promote_types(scores.dtype, torch.float32)
+        scores = scores.to(dtype).mul_(scaling)
+        scores.masked_fill_(~visible[rows, :, :, chunk.last_real], torch.finfo(dtype).min)
+        return scores.softmax(-1)
 
     def _count_reads(self, reads: torch.Tensor, decode: bool) -> None:
         """Keys read by this chunk's real queries; a decode step also counts what a full cache would read."""

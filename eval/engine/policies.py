@@ -86,6 +86,12 @@ class Chunk:
         self.set_new("sink", first[:, None].expand(-1, self.cand_pos.shape[1], -1))
 
     @property
+    def last_real(self) -> torch.Tensor:
+        """[B] index in the chunk of each sequence's last real token (0 for a row that is all padding)."""
+        index = torch.arange(self.size, device=self.real.device).expand_as(self.real)
+        return torch.where(self.real, index, torch.zeros_like(index)).max(-1).values
+
+    @property
     def now(self) -> torch.Tensor:
         """[B, 1, 1] position of the chunk's last token (rows that are all padding get -1)."""
         pos = torch.where(self.real, self.positions, torch.full_like(self.positions, -1))
@@ -96,7 +102,9 @@ class Policy:
     """Base: no per-query restriction, nothing learned, slots = budget."""
 
     name = "policy"
-    needs_probs = False  # keep_scores reads the chunk's attention probabilities
+    # keep_scores reads attention probabilities: False (none), "last" (the last real query's, [B, Hkv, G, N]) or
+    # "all" (every query's, [B, Hkv, G, c, N]); with False or "last" a prefill chunk attends through fused SDPA
+    needs_probs: bool | str = False
     gate_kind: str | None = None  # the model's gates this policy reads ("dms" | "trimkv"), if any
     can_overflow = False  # pins (+inf) more tokens than fit; only Full may: the others' pins are bounded in bind
     drops = False  # keep_scores may give -inf: a token the policy itself drops (DMS's expired keys)
@@ -170,7 +178,7 @@ class H2O(Policy):
     """Heavy hitters: half the budget the most recent tokens, half the highest cumulative attention, per KV head."""
 
     name = "h2o"
-    needs_probs = True
+    needs_probs = "all"
     state: ClassVar = {"acc": (torch.float32, 0.0)}
 
     def __init__(self, recent_fraction: float = 0.5):
@@ -198,23 +206,14 @@ class TOVA(Policy):
     """
 
     name = "tova"
-    needs_probs = True
+    needs_probs = "last"
 
     def __init__(self, head_wise: bool = False):
         self.head_wise = head_wise
 
     def keep_scores(self, chunk, probs):
-        if chunk.size == 1:  # a decode step: the one query is the last
-            row = probs[:, :, :, 0]  # [B, Hkv, G, N]
-        else:
-            last = self._last_real_query(chunk)  # [B]
-            row = probs[torch.arange(probs.shape[0], device=probs.device), :, :, last]
-        return row.mean(2) if self.head_wise else row.mean((1, 2))[:, None].expand(-1, row.shape[1], -1)
-
-    @staticmethod
-    def _last_real_query(chunk) -> torch.Tensor:
-        index = torch.arange(chunk.size, device=chunk.real.device).expand_as(chunk.real)
-        return torch.where(chunk.real, index, torch.zeros_like(index)).max(-1).values
+        # probs [B, Hkv, G, N]: the attention of each sequence's last real query
+        return probs.mean(2) if self.head_wise else probs.mean((1, 2))[:, None].expand(-1, probs.shape[1], -1)
 
 
 class DMS(Policy):

@@ -61,6 +61,10 @@ class KVGate(nn.Module):
         self._history: torch.Tensor | None = None  # [B, n, past] values of earlier decode steps
         self.outputs: dict[str, torch.Tensor] = {}
 
+    def reset_parameters(self) -> None:
+        """The gate's initial values, set at the end of __init__; attach_gates runs it again on the gathered
+        parameters when DeepSpeed ZeRO-3 partitioned them during construction (which drops later writes)."""
+
     @property
     def active(self) -> bool:
         return self.state.mode is not GateMode.OFF

@@ -128,11 +128,16 @@ class DMSGate(KVGate):
             self.norm = nn.RMSNorm(config.hidden_size, eps=getattr(config, "rms_norm_eps", 1e-6))
             # zero-initialised: every logit starts at -offset; the bias moves the eviction rate directly
             self.proj = nn.Linear(config.hidden_size, self.num_decisions, bias=True)
-            nn.init.zeros_(self.proj.weight)
-            nn.init.zeros_(self.proj.bias)
         # query heads whose `channel` carries a decision: the first head of each KV group
         step = self.group * self.num_kv_heads if settings.per_layer else self.group
         self.decision_heads = list(range(0, config.num_attention_heads, step))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.settings.source == "adapter":
+            nn.init.ones_(self.norm.weight)
+            nn.init.zeros_(self.proj.weight)
+            nn.init.zeros_(self.proj.bias)
 
     @property
     def num_outputs(self) -> int:

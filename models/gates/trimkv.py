@@ -91,10 +91,14 @@ class TrimKVGate(KVGate):
         self.up = nn.Linear(config.hidden_size, settings.hidden, bias=True)
         self.act = nn.SiLU()
         self.down = nn.Linear(settings.hidden, self.num_kv_heads, bias=False)
-        self.head_bias = nn.Parameter(torch.full((self.num_kv_heads,), float(settings.bias_init)))
+        self.head_bias = nn.Parameter(torch.empty(self.num_kv_heads))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
         for linear in (self.up, self.down):
             nn.init.normal_(linear.weight, std=0.02)
         nn.init.zeros_(self.up.bias)
+        nn.init.constant_(self.head_bias, float(self.settings.bias_init))
 
     def compute(self, residual, normed):
         x = self.down(self.act(self.up(at_least_float32(normed)))) + self.head_bias
