@@ -4,8 +4,10 @@ SmolLM2 reads a long essay prompt, then decodes greedily. For every policy and b
 median decode step time and its ratio to the full cache and to the floor (a plain `DynamicCache` holding
 only `--budget` tokens: what an ideal bounded cache would cost), KV memory allocated and its ratio, the KV
 reads saved and the host readbacks per decode step (tensor -> Python value: a GPU stall each); then TOVA's
-step time over the window's (the cost of choosing what to evict); then, for a KV memory cap, the largest
-batch each cache fits and its decode tokens/s (TOVA paper, Table 1 style).
+step time over the window's (the cost of choosing what to evict); then each cache's prefill against the
+plain cache's prefill of the same prompt, for a prompt that fits the budget and for the whole context in
+chunks of the budget; then, for a KV memory cap, the largest batch each cache fits and its decode tokens/s
+(TOVA paper, Table 1 style).
 
 Rows of a batch share one prefilled prompt (the batch-1 cache is repeated), so the CPU benchmark spends
 its minutes on decode steps, the thing measured, rather than on identical prefills.

@@ -276,7 +276,12 @@ class BoundedLayer(CacheLayerMixin):
             if self.policy.needs_probs == "last":
                 probs = probs[torch.arange(batch, device=probs.device), :, :, chunk.last_real]
         else:
-            out = self._attend_fused(query, slot_keys, keys, slot_values, values, visible, scaling)
+            if self.in_use == 0 and extra is None and bool(real.all()):
+                # nothing held yet and no padding: the chunk's own causal attention, as a plain cache computes it
+                out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scaling,
+                                                     enable_gqa=heads > keys.shape[1])
+            else:
+                out = self._attend_fused(query, slot_keys, keys, slot_values, values, visible, scaling)
             probs = self._last_query_probs(chunk, slot_keys, keys, visible, scaling) \
                 if self.policy.needs_probs == "last" else None
 
