@@ -23,8 +23,9 @@ def weights_fingerprint(model: torch.nn.Module, samples: int = 1024) -> str:
     for name, tensor in sorted(model.state_dict().items()):
         if GATE_ATTRIBUTE in name.split("."):
             continue  # gates are not base weights: a gated and a plain model of the same weights agree
-        with _whole(params.get(name)):
-            whole = params[name].detach() if hasattr(params.get(name), "ds_id") else tensor.detach()
+        param = params.get(name)  # None for a buffer
+        with _whole(param):
+            whole = param.detach() if hasattr(param, "ds_id") else tensor.detach()
             flat = whole.reshape(-1)
             sample = flat[:: max(1, flat.numel() // samples)][:samples].to(torch.bfloat16).float().cpu()
             digest.update(f"{name}{tuple(whole.shape)}".encode())
