@@ -125,7 +125,11 @@ class RetrofitDataModule(L.LightningDataModule):
             for name in ("eval", "train"):
                 if len(splits[name]) or name == "train":
                     prepare(splits[name], self.tokenizer, self.cfg, name).save_to_disk(str(staging / name))
-            os.rename(staging, folder)
+            try:
+                os.rename(staging, folder)
+            except OSError:  # a filesystem whose locks do not hold across nodes: the first rename wins
+                if not (folder / "train").is_dir():
+                    raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
