@@ -51,13 +51,19 @@ def dry_run(cfg: RunConfig) -> dict:
     from transformers import AutoModelForCausalLM
 
     import models
+    from models.attention import GATE_ATTRIBUTE
     from train.strategy import build_strategy
 
     config = check_against_backbone(cfg)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     models.attach_gates(model, cfg.gate.kind, **cfg.gate.settings())
-    gate_params = sum(p.numel() for n, p in model.named_parameters() if "kv_gate" in n)
+    gate_params = sum(p.numel() for n, p in model.named_parameters() if GATE_ATTRIBUTE in n)
+    backbone_params = sum(p.numel() for n, p in model.named_parameters() if GATE_ATTRIBUTE not in n)
+    # what gets gradients and optimizer state: the gates, and the backbone when fully fine-tuned (LoRA
+    # adapters are small and left out of the estimate)
+    trained_params = gate_params + (backbone_params if cfg.model.backbone_mode == "full" else 0)
+    devices = devices_per_node(cfg)
     neurons = sum(len(gate.neuron_indices) for gate in models.model_gates(model))
     anneals = models.gate_kind(cfg.gate.kind).anneals_cr
     strategy = build_strategy(cfg, cfg.trainer.accelerator)
@@ -68,7 +74,7 @@ def dry_run(cfg: RunConfig) -> dict:
         "layers": config.num_hidden_layers,
         "query_heads": config.num_attention_heads,
         "kv_heads": config.num_key_value_heads,
-        "backbone_parameters": backbone_params(model),
+        "backbone_parameters": backbone_params,
         "gate": cfg.gate.kind,
         "gate_parameters": gate_params,
         "repurposed_query_neurons": neurons,
@@ -82,9 +88,9 @@ def dry_run(cfg: RunConfig) -> dict:
         "steps": total_steps(cfg),
         "cr_ramp_steps": ramp_steps(cfg) if anneals else None,
         "cr_family": list(range(2, int(cfg.schedule.cr_final) + 1)) if anneals else None,
-        **batch_figures(cfg, devices_per_node(cfg)),
-        "memory_per_rank": memory_per_rank(cfg, params_total=backbone_params(model), params_trained=trained_params(cfg, model),
-                                           ranks=devices_per_node(cfg) * cfg.trainer.num_nodes),
+        **batch_figures(cfg, devices),
+        "memory_per_rank": memory_per_rank(cfg, params_total=backbone_params, params_trained=trained_params,
+                                           ranks=devices * cfg.trainer.num_nodes),
     }
     return report
 
@@ -96,17 +102,6 @@ def batch_figures(cfg: RunConfig, devices: int) -> dict:
     sequences = ranks * cfg.data.batch_size * accumulate
     return {"ranks": ranks, "micro_batch_per_rank": cfg.data.batch_size, "accumulate_grad_batches": accumulate,
             "global_batch_sequences": sequences, "tokens_per_step": sequences * cfg.data.max_length}
-
-
-def backbone_params(model) -> int:
-    return sum(p.numel() for n, p in model.named_parameters() if "kv_gate" not in n)
-
-
-def trained_params(cfg: RunConfig, model) -> int:
-    """Parameters with gradients and optimizer state (gates always; the backbone when fully fine-tuned;
-    LoRA adapters are small and left out of the estimate)."""
-    gates = sum(p.numel() for n, p in model.named_parameters() if "kv_gate" in n)
-    return gates + (backbone_params(model) if cfg.model.backbone_mode == "full" else 0)
 
 
 def memory_per_rank(cfg: RunConfig, params_total: int, params_trained: int, ranks: int) -> dict:
@@ -131,13 +126,19 @@ def memory_per_rank(cfg: RunConfig, params_total: int, params_trained: int, rank
             "note": "model states only; activations, buffers and fragmentation come on top"}
 
 
-def prepare_data(cfg: RunConfig) -> dict:
-    """Prepare the recipe's data into the shared cache, as a run's first process would, and say where."""
+def retrofit_data(cfg: RunConfig, tokenizer):
+    """The run's data module over the shared RetroKV cache (training and --prepare-data alike)."""
     from assets import cache_root
     from data import RetrofitDataModule
+
+    return RetrofitDataModule(cfg.data, tokenizer, cfg.seed, cache_root() / "data")
+
+
+def prepare_data(cfg: RunConfig) -> dict:
+    """Prepare the recipe's data into the shared cache, as a run's first process would, and say where."""
     from models import load_tokenizer
 
-    module = RetrofitDataModule(cfg.data, load_tokenizer(cfg.model.backbone), cfg.seed, cache_root() / "data")
+    module = retrofit_data(cfg, load_tokenizer(cfg.model.backbone))
     prepared = module.prepare_once()
     module.setup()
     return {"folder": str(module.cache_dir / module.cache_key()), "prepared_now": prepared,
@@ -224,8 +225,6 @@ def train(cfg: RunConfig) -> dict:
     from lightning.pytorch.callbacks import LearningRateMonitor
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from assets import cache_root
-    from data import RetrofitDataModule
     from models import load_tokenizer
     from train.callbacks import AtomicModelCheckpoint, CRFamilySnapshots
     from train.launch import adopt_launcher_environment
@@ -244,7 +243,7 @@ def train(cfg: RunConfig) -> dict:
     L.seed_everything(cfg.seed, workers=True)
     tokenizer = load_tokenizer(cfg.model.backbone)
     module = RetrofitModule(cfg)  # the models are built on each rank's device (RetrofitModule.configure_model)
-    datamodule = RetrofitDataModule(cfg.data, tokenizer, cfg.seed, cache_root() / "data")
+    datamodule = retrofit_data(cfg, tokenizer)
     t = cfg.trainer
     trainer = L.Trainer(
         max_steps=total_steps(cfg),
