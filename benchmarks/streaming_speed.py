@@ -7,13 +7,21 @@ attention row of the new token; the token with the lowest mean attention over al
 cut out of the DynamicCache layer once it holds more than `budget` tokens. Both read the same text from
 the held-out essays, one row per sequence of the batch, and their per-token NLLs are compared.
 
+With --kvpress-python, kvpress's `DecodingPress(TOVAPress)` (compressing to the budget after every token)
+runs as a third stream in its own environment (benchmarks/kvpress_worker.py: kvpress needs transformers <
+5.3), stepped in turn with the other two. Its rule differs in one point: it never evicts the newest token.
+
     python benchmarks/streaming_speed.py [--tokens 2048] [--budget 128] [--batches 1 8]
+        [--kvpress-python /path/to/kvpress-env/bin/python]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -23,6 +31,7 @@ from eval.engine import BoundedCache
 from eval.engine.cache import ENGINE_ATTENTION, register_engine_attention
 from eval.tasks import heldout_documents
 from models import load_backbone
+from models.backbone import embedded_model_dir
 
 
 def engine_stream(model, ids: torch.Tensor, budget: int):
@@ -55,17 +64,45 @@ def plain_stream(model, ids: torch.Tensor, budget: int):
         yield time.perf_counter() - start, nll
 
 
+def kvpress_stream(python: str, ids: torch.Tensor, budget: int):
+    """Yields (seconds, NLL [B]) per token from kvpress's streaming TOVA in a worker process of `python`."""
+    worker = subprocess.Popen([python, str(Path(__file__).with_name("kvpress_worker.py"))], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+
+    def ask(message: str) -> dict:
+        worker.stdin.write(message + "\n")
+        worker.stdin.flush()
+        line = worker.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the kvpress worker ({python}) exited with {worker.wait()}; see its error above")
+        return json.loads(line)
+
+    try:
+        versions = ask(json.dumps({"model": str(embedded_model_dir()), "ids": ids.tolist(), "budget": budget,
+                                   "threads": torch.get_num_threads()}))["ready"]
+        print(f"kvpress worker: {versions}", flush=True)
+        for _ in range(ids.shape[1] - 1):
+            step = ask("step")
+            yield step["seconds"], torch.tensor(step["nll"])
+    finally:
+        worker.stdin.close()
+        worker.wait()
+
+
 @torch.no_grad()
-def interleaved(model, ids: torch.Tensor, budget: int) -> dict[str, tuple[float, torch.Tensor]]:
+def interleaved(model, ids: torch.Tensor, budget: int, kvpress_python: str | None = None
+                ) -> dict[str, tuple[float, torch.Tensor]]:
     """Both streams one token each in turn (each under its attention implementation, switched outside the
     timed part), so that a machine whose speed drifts slows both alike. Returns name -> (seconds, NLL [B, T-1])."""
     register_engine_attention()
     streams = {"plain": ("eager", plain_stream(model, ids, budget)),
                "engine": (ENGINE_ATTENTION, engine_stream(model, ids, budget))}
+    if kvpress_python:
+        streams["kvpress"] = (None, kvpress_stream(kvpress_python, ids, budget))
     totals = {name: [0.0, []] for name in streams}
     for _ in range(ids.shape[1] - 1):
         for name, (attention, stream) in streams.items():
-            if model.config._attn_implementation != attention:
+            if attention and model.config._attn_implementation != attention:
                 model.set_attn_implementation(attention)
             seconds, nll = next(stream)
             totals[name][0] += seconds
@@ -78,6 +115,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--budget", type=int, default=128)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--kvpress-python", help="python of an environment with kvpress (and transformers < 5.3)")
     args = parser.parse_args()
     model, tokenizer = load_backbone("smollm2-135m")
     docs = heldout_documents(PerplexityTask(documents=max(args.batches), tokens=args.tokens), tokenizer)
@@ -85,12 +123,18 @@ def main() -> None:
           f"{torch.get_num_threads()} threads")
     for batch in args.batches:
         ids = torch.stack(docs[:batch])
-        results = interleaved(model, ids, args.budget)
+        results = interleaved(model, ids, args.budget, args.kvpress_python)
         (plain_s, plain_nll), (engine_s, engine_nll) = results["plain"], results["engine"]
         print(f"batch {batch}: plain DynamicCache loop {plain_s:7.1f} s, engine {engine_s:7.1f} s, "
               f"engine speed-up x{plain_s / engine_s:.2f} (target >= 1 at batch 1, > 1 at batch 8); per-token NLL "
               f"max |diff| {float((plain_nll - engine_nll).abs().max()):.2e}, perplexity plain "
               f"{float(plain_nll.mean().exp()):.3f} engine {float(engine_nll.mean().exp()):.3f}", flush=True)
+        if "kvpress" in results:
+            press_s, press_nll = results["kvpress"]
+            print(f"batch {batch}: kvpress DecodingPress(TOVAPress) {press_s:7.1f} s, engine speed-up "
+                  f"x{press_s / engine_s:.2f} (target >= 1.2 at batch 1); per-token NLL max |diff| to the engine "
+                  f"{float((press_nll - engine_nll).abs().max()):.2e} (mean {float((press_nll - engine_nll).abs().mean()):.2e}), "
+                  f"perplexity kvpress {float(press_nll.mean().exp()):.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from data.sources import load_source
 
 log = logging.getLogger(__name__)
 
-PREPARED_FORMAT = 4  # bump when data.prepare changes its output, so cached preparations are rebuilt
+PREPARED_FORMAT = 5  # bump when data.prepare changes its output, so cached preparations are rebuilt
 
 
 class StepSampler(Sampler[int]):

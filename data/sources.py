@@ -58,9 +58,14 @@ def essay_text(split: str = "train") -> str:
     raise DataError(f"essay split {split!r} is invalid; valid: 'train', 'heldout', 'all'")
 
 
-def essays(num_rows: int, seed: int, chars_per_row: int = 4000) -> datasets.Dataset:
-    """The training part of the essay haystack cut at paragraph boundaries into rows of about
-    `chars_per_row` characters (the held-out tail is left to the evaluation suite)."""
+ESSAY_CHARS_PER_TOKEN = 5  # SmolLM2's tokenizer averages about 3.9 characters per token on the essays
+
+
+def essays(num_rows: int, seed: int, max_length: int = 0) -> datasets.Dataset:
+    """The training part of the essay haystack cut at paragraph boundaries into documents of at least 4000
+    characters, or enough characters to fill a `max_length`-token row (the held-out tail is left to the
+    evaluation suite)."""
+    chars_per_row = max(4000, ESSAY_CHARS_PER_TOKEN * max_length)
     paragraphs = [p.strip() for p in re.split(r"\n\s*\n|(?<=[.!?])\n(?=[A-Z])", essay_text("train")) if p.strip()]
     rows, current = [], ""
     for paragraph in paragraphs:
@@ -186,7 +191,7 @@ def load_source(cfg, seed: int, num_rows: int) -> datasets.Dataset:
     if cfg.source == "gsm_symbolic":
         ds = gsm_symbolic(num_rows if num_rows > 0 else 1000, seed)
     elif cfg.source == "essays":
-        ds = essays(num_rows, seed)
+        ds = essays(num_rows, seed, cfg.max_length)
     elif cfg.source in ("hf", "files"):
         ds = hf_dataset(cfg.path, cfg.split, cfg.text_column, cfg.streaming, num_rows, local_only=cfg.source == "files")
     elif cfg.source == "openr1":

@@ -1,8 +1,8 @@
 """`python -m eval report RESULTS_DIR`: a markdown report of a sweep, with PNG plots (matplotlib).
 
-Per task: a table of every cell; score against KV reads per query and against peak KV tokens, with each
-method's Pareto frontier; the integrated improvement of each learned method over each baseline on both
-axes; score against CR for a CR family; and a retention heatmap (mean fraction of the text each layer x KV
+Per task: a table of every cell; score against KV reads per query, mean KV tokens and peak KV tokens, with
+each method's Pareto frontier; the integrated improvement of each learned method over each baseline on each
+axis; score against CR for a CR family; and a retention heatmap (mean fraction of the text each layer x KV
 head keeps) of every learned cell.
 """
 
@@ -22,7 +22,10 @@ from eval.costs import realised_mean  # noqa: E402
 from eval.streaming import EvalError  # noqa: E402
 from eval.sweep import load_records  # noqa: E402
 
-AXES = {"reads_per_query": "KV reads per query (per layer x KV head)", "peak_kv_tokens": "peak KV tokens (per KV head)"}
+AXES = {"reads_per_query": "KV reads per query (per layer x KV head)",
+        "mean_kv_tokens": "mean KV tokens (per KV head, over the tokens processed)",
+        "peak_kv_tokens": "peak KV tokens (per KV head)"}
+AXIS_SHORT = {"reads_per_query": "reads/query", "mean_kv_tokens": "mean KV", "peak_kv_tokens": "peak KV"}
 
 
 def family(record: dict) -> str:
@@ -146,7 +149,8 @@ def _improvements(records: list[dict], higher: bool) -> list[str]:
              "interval both Pareto frontiers cover (DMS paper); for a learned method measured at one point, the "
              "difference to the baseline's frontier at that point's cost (marked *). Positive = the learned "
              "method is better; - = no shared cost range.",
-             "", "| learned | baseline | over reads/query | over peak KV |", "|---|---|---|---|"]
+             "", "| learned | baseline | " + " | ".join(f"over {AXIS_SHORT[a]}" for a in AXES) + " |",
+             "|---|---|" + "---|" * len(AXES)]
     fronts = {axis: _frontiers(records, axis, higher) for axis in AXES}
     for a in learned:
         for b in baselines:

@@ -240,3 +240,13 @@ def test_essay_training_rows_never_touch_the_held_out_tenth():
     assert len(spans) > 100 and all(span in train and span not in heldout for span in spans)
     with pytest.raises(ValueError, match="essay split 'test' is invalid"):
         essay_text("test")
+
+
+def test_essay_documents_fill_long_rows(tokenizer):
+    """Every essay document fills a 1024-token row, so long-row recipes train on full rows, not padding."""
+    from data.sources import essays
+
+    short, long = essays(-1, seed=0), essays(-1, seed=0, max_length=1024)
+    assert len(long) < len(short)
+    lengths = [len(tokenizer(text)["input_ids"]) for text in long.select(range(40))["text"]]
+    assert min(lengths) >= 1024, min(lengths)

@@ -210,6 +210,8 @@ def test_tiny_sweep_and_report(tmp_path, tiny_backbone, tiny_snapshot):
     for png in pngs:
         assert f"plots/{png.name}" in report
     assert "Improvement of each learned method" in report and "retention" in report
+    assert "| over reads/query | over mean KV | over peak KV |" in report
+    assert (out / "plots" / "perplexity_mean_kv_tokens.png").is_file()
 
 
 def test_resume_after_kill_loses_and_duplicates_nothing(tmp_path, tiny_backbone):

@@ -9,10 +9,19 @@ from train.__main__ import main as train_main
 from train.config import load_recipe, total_steps
 
 SCALE_RECIPES = ["dms_qwen7b_cr8", "dms_llama1b_cr4", "trimkv_qwen3_4b_m512"]
+CPU_RECIPES = ["dms_smollm2_cr4", "trimkv_smollm2_m128", "dms_smollm2_long", "trimkv_smollm2_long"]
 
 
 def test_shipped_recipes():
-    assert {"dms_smollm2_cr4", "trimkv_smollm2_m128", *SCALE_RECIPES} <= set(available_recipes())
+    assert {*CPU_RECIPES, *SCALE_RECIPES} <= set(available_recipes())
+
+
+@pytest.mark.parametrize("name", CPU_RECIPES)
+def test_cpu_recipes_dry_run_on_the_embedded_model(name, capsys):
+    assert train_main([f"recipe={name}", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out[out.index("{\n") : out.rindex("}") + 1])
+    assert report["gate_parameters"] > 0 and report["steps"] == total_steps(load_recipe(name))
 
 
 def test_every_recipe_opens_with_the_command_that_runs_it():
