@@ -22,10 +22,10 @@ from eval.costs import realised_mean  # noqa: E402
 from eval.streaming import EvalError  # noqa: E402
 from eval.sweep import load_records  # noqa: E402
 
-AXES = {"reads_per_query": "KV reads per query (per layer x KV head)",
-        "mean_kv_tokens": "mean KV tokens (per KV head, over the tokens processed)",
-        "peak_kv_tokens": "peak KV tokens (per KV head)"}
-AXIS_SHORT = {"reads_per_query": "reads/query", "mean_kv_tokens": "mean KV", "peak_kv_tokens": "peak KV"}
+# the cost axes a method is judged on: record field -> (plot label, table column)
+AXES = {"reads_per_query": ("KV reads per query (per layer x KV head)", "reads/query"),
+        "mean_kv_tokens": ("mean KV tokens (per KV head, over the tokens processed)", "mean KV"),
+        "peak_kv_tokens": ("peak KV tokens (per KV head)", "peak KV")}
 
 
 def family(record: dict) -> str:
@@ -68,7 +68,7 @@ def _task_section(task: str, records: list[dict], plots: Path) -> list[str]:
         if task == "math":
             lines += [f"### W = {w}, L = {l}", ""]
         lines += _table(group, task)
-        for axis, label in AXES.items():
+        for axis, (label, _) in AXES.items():
             png = plots / f"{task}{suffix}_{axis}.png"
             _frontier_plot(group, axis, label, higher, f"{task}: {name} vs {label}", png)
             lines += [f"![{task} {axis}](plots/{png.name})", ""]
@@ -149,7 +149,7 @@ def _improvements(records: list[dict], higher: bool) -> list[str]:
              "interval both Pareto frontiers cover (DMS paper); for a learned method measured at one point, the "
              "difference to the baseline's frontier at that point's cost (marked *). Positive = the learned "
              "method is better; - = no shared cost range.",
-             "", "| learned | baseline | " + " | ".join(f"over {AXIS_SHORT[a]}" for a in AXES) + " |",
+             "", "| learned | baseline | " + " | ".join(f"over {short}" for _, short in AXES.values()) + " |",
              "|---|---|" + "---|" * len(AXES)]
     fronts = {axis: _frontiers(records, axis, higher) for axis in AXES}
     for a in learned:

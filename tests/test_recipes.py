@@ -12,15 +12,20 @@ SCALE_RECIPES = ["dms_qwen7b_cr8", "dms_llama1b_cr4", "trimkv_qwen3_4b_m512"]
 CPU_RECIPES = ["dms_smollm2_cr4", "trimkv_smollm2_m128", "dms_smollm2_long", "trimkv_smollm2_long"]
 
 
+def dry_run_report(args: list[str], capsys) -> dict:
+    """The JSON report `python -m train ARGS --dry-run` prints."""
+    assert train_main([*args, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    return json.loads(out[out.index("{\n") : out.rindex("}") + 1])
+
+
 def test_shipped_recipes():
     assert {*CPU_RECIPES, *SCALE_RECIPES} <= set(available_recipes())
 
 
 @pytest.mark.parametrize("name", CPU_RECIPES)
 def test_cpu_recipes_dry_run_on_the_embedded_model(name, capsys):
-    assert train_main([f"recipe={name}", "--dry-run"]) == 0
-    out = capsys.readouterr().out
-    report = json.loads(out[out.index("{\n") : out.rindex("}") + 1])
+    report = dry_run_report([f"recipe={name}"], capsys)
     assert report["gate_parameters"] > 0 and report["steps"] == total_steps(load_recipe(name))
 
 
@@ -36,9 +41,7 @@ def test_every_recipe_opens_with_the_command_that_runs_it():
 @pytest.mark.parametrize("name", SCALE_RECIPES)
 def test_scale_recipes_dry_run_without_downloading(name, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert train_main([f"recipe={name}", "--dry-run"]) == 0
-    out = capsys.readouterr().out
-    report = json.loads(out[out.index("{\n") : out.rindex("}") + 1])
+    report = dry_run_report([f"recipe={name}"], capsys)
     cfg = load_recipe(name)
     assert report["family"] == cfg.model.architecture.model_type
     assert report["gate_parameters"] + report["repurposed_query_neurons"] > 0 and report["backbone_parameters"] > 1e8

@@ -200,8 +200,7 @@ class BoundedLayer(CacheLayerMixin):
         probs = scores.softmax(-1)
         out = probs.to(values.dtype).view(batch, kv_heads, -1, n) @ slot_values
 
-        probs = {False: None, "last": probs[:, :, :, 0], "all": probs}[self.policy.needs_probs]
-        score = self.policy.keep_scores(chunk, probs)
+        score = self.policy.keep_scores(chunk, self._policy_input(chunk, probs))
         for name, t in state.items():
             if chunk.state[name] is not t:  # the policy replaced its state (H2O's accumulated attention)
                 t.copy_(chunk.state[name])
@@ -265,18 +264,20 @@ class BoundedLayer(CacheLayerMixin):
         chunk = self._chunk(query, positions, real, gate)
         slots, cand_pos, cand_ok = chunk.num_slots, chunk.cand_pos, chunk.cand_ok
         positions = chunk.positions
-        slot_keys, slot_values = self.keys[:, :, :slots], self.values[:, :, :slots]
+        used = self.in_use  # slots [used, slots) are still empty: room for the chunk, nothing to read
+        slot_keys, slot_values = self.keys[:, :, :used], self.values[:, :, :used]
         causal = cand_pos[:, :, None, :] <= positions[:, None, :, None]
         visible = (cand_ok[:, :, None, :] & causal)[:, :, None]  # [B, Hkv, 1, c, N]
         extra = self.policy.visibility(chunk)
         if extra is not None:
             visible = visible & extra
-        if self.policy.needs_probs == "all" or self.inv_freq is not None:
+        if used < slots:  # what the queries read: the used slots and the chunk
+            visible = torch.cat([visible[..., :used], visible[..., slots:]], -1)
+        if self.policy.needs_probs == "received" or self.inv_freq is not None:
             out, probs = self._attend_scores(chunk, query, slot_keys, keys, slot_values, values, visible, scaling)
-            if self.policy.needs_probs == "last":
-                probs = probs[torch.arange(batch, device=probs.device), :, :, chunk.last_real]
+            probs = self._policy_input(chunk, probs)
         else:
-            if self.in_use == 0 and extra is None and bool(real.all()):
+            if used == 0 and extra is None and bool(real.all()):
                 # nothing held yet and no padding: the chunk's own causal attention, as a plain cache computes it
                 out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scaling,
                                                      enable_gqa=heads > keys.shape[1])
@@ -284,6 +285,8 @@ class BoundedLayer(CacheLayerMixin):
                 out = self._attend_fused(query, slot_keys, keys, slot_values, values, visible, scaling)
             probs = self._last_query_probs(chunk, slot_keys, keys, visible, scaling) \
                 if self.policy.needs_probs == "last" else None
+        if probs is not None and used < slots:  # the empty slots received no attention
+            probs = torch.cat([probs[..., :used], probs.new_zeros(*probs.shape[:-1], slots - used), probs[..., used:]], -1)
 
         self._count_reads((visible.any(2) & real[:, None, :, None]).sum(), decode)
         score = self.policy.keep_scores(chunk, probs)
@@ -293,21 +296,34 @@ class BoundedLayer(CacheLayerMixin):
         return out.view(batch, heads, c, -1)
 
     def _attend_scores(self, chunk: Chunk, query, slot_keys, keys, slot_values, values, visible, scaling):
-        """Attention with the probabilities written out ([B, Hkv, G, c, N]), for a policy that reads all of
-        them (H2O) or for gap compression's re-rotated queries and keys."""
+        """Attention with the probabilities written out ([B, Hkv, G, c, used slots + c]), for a policy that reads
+        every query's (H2O) or for gap compression's re-rotated queries and keys."""
         batch, heads, c, dim = query.shape
-        kv_heads, slots = keys.shape[1], slot_keys.shape[2]
-        new_keys = keys
+        kv_heads, group, read = keys.shape[1], heads // keys.shape[1], slot_keys.shape[2] + c
         if self.inv_freq is not None:
-            query, slot_keys, new_keys = self._compress_positions(chunk, slot_keys, keys)
-        flat_q = query.reshape(batch, kv_heads, heads // kv_heads * c, dim)
-        scores = torch.cat([flat_q @ slot_keys.transpose(-1, -2), flat_q @ new_keys.transpose(-1, -2)], -1)
+            query, slot_keys, keys = self._compress_positions(chunk, slot_keys, keys)
+        if slot_keys.shape[2]:  # one matmul over slots and chunk: concatenating keys is cheaper than scores
+            keys, values = torch.cat([slot_keys, keys], 2), torch.cat([slot_values, values], 2)
+        scores = query.reshape(batch, kv_heads, group * c, dim) @ keys.transpose(-1, -2)
         dtype = torch.promote_types(scores.dtype, torch.float32)  # softmax in float32 at least (float64 stays)
-        scores = scores.to(dtype).mul_(scaling).view(batch, kv_heads, heads // kv_heads, c, slots + c)
+        scores = scores.to(dtype).mul_(scaling).view(batch, kv_heads, group, c, read)
         scores.masked_fill_(~visible, torch.finfo(dtype).min)
         probs = scores.softmax(-1)
-        flat_p = probs.to(values.dtype).view(batch, kv_heads, heads // kv_heads * c, slots + c)
-        return flat_p[..., :slots] @ slot_values + flat_p[..., slots:] @ values, probs
+        return probs.to(values.dtype).view(batch, kv_heads, group * c, read) @ values, probs
+
+    def _policy_input(self, chunk: Chunk, probs: torch.Tensor) -> torch.Tensor | None:
+        """What the policy's keep_scores reads (`Policy.needs_probs`) from the chunk's probabilities [B, Hkv, G, c, N]:
+        the last real query's row, or the attention each candidate received from the real queries, mean over the
+        query group (a weighted sum over queries as one matmul, not a [B, Hkv, G, c, N] product)."""
+        decode = probs.shape[3] == 1
+        if self.policy.needs_probs == "last":
+            return probs[:, :, :, 0] if decode else probs[torch.arange(probs.shape[0], device=probs.device), :, :,
+                                                               chunk.last_real]
+        if self.policy.needs_probs == "received":
+            if decode:
+                return probs[:, :, :, 0].mean(2) * chunk.real[:, :, None]
+            return (chunk.real.to(probs.dtype)[:, None, None, None, :] @ probs)[:, :, :, 0].mean(2)
+        return None
 
     @staticmethod
     def _attend_fused(query, slot_keys, keys, slot_values, values, visible, scaling):
@@ -354,7 +370,7 @@ class BoundedLayer(CacheLayerMixin):
         slots = chunk.num_slots
         target = compressed_positions(chunk.cand_pos, chunk.cand_ok)
         delta = torch.where(chunk.cand_ok, target - chunk.cand_pos, torch.zeros_like(target))
-        slot_keys = rotate(slot_keys, delta[..., :slots], self.inv_freq)
+        slot_keys = rotate(slot_keys, delta[..., :slot_keys.shape[2]], self.inv_freq)  # the used slots
         new_keys = rotate(keys, delta[..., slots:], self.inv_freq)
         batch, kv_heads, group, c, dim = chunk.query.shape
         query = rotate(chunk.query, delta[:, :, None, slots:].expand(-1, -1, group, -1), self.inv_freq)

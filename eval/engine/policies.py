@@ -82,7 +82,8 @@ class Chunk:
 
     def mark_sinks(self, count: int) -> None:
         """Flag the chunk's tokens that are among their sequence's first `count` real tokens in state["sink"]."""
-        first = (self.rank < count) & self.real  # [B, c]
+        rank = self.rank_start[:, None] if self.size == 1 else self.rank  # (padding's rank is masked out below)
+        first = (rank < count) & self.real  # [B, c]
         self.set_new("sink", first[:, None].expand(-1, self.cand_pos.shape[1], -1))
 
     @property
@@ -94,8 +95,8 @@ class Chunk:
     @property
     def now(self) -> torch.Tensor:
         """[B, 1, 1] position of the chunk's last token (rows that are all padding get -1)."""
-        pos = torch.where(self.real, self.positions, torch.full_like(self.positions, -1))
-        return pos.max(-1).values[:, None, None]
+        pos = torch.where(self.real, self.positions, -1)
+        return pos[:, :, None] if self.size == 1 else pos.max(-1).values[:, None, None]
 
 
 class Policy:
@@ -103,7 +104,8 @@ class Policy:
 
     name = "policy"
     # keep_scores reads attention probabilities: False (none), "last" (the last real query's, [B, Hkv, G, N]) or
-    # "all" (every query's, [B, Hkv, G, c, N]); with False or "last" a prefill chunk attends through fused SDPA
+    # "received" (what each candidate received from the chunk's real queries, mean over the group, [B, Hkv, N]);
+    # with False or "last" a prefill chunk attends through fused SDPA
     needs_probs: bool | str = False
     gate_kind: str | None = None  # the model's gates this policy reads ("dms" | "trimkv"), if any
     can_overflow = False  # pins (+inf) more tokens than fit; only Full may: the others' pins are bounded in bind
@@ -178,7 +180,7 @@ class H2O(Policy):
     """Heavy hitters: half the budget the most recent tokens, half the highest cumulative attention, per KV head."""
 
     name = "h2o"
-    needs_probs = "all"
+    needs_probs = "received"
     state: ClassVar = {"acc": (torch.float32, 0.0)}
 
     def __init__(self, recent_fraction: float = 0.5):
@@ -191,9 +193,8 @@ class H2O(Policy):
         self.recent = max(1, round(budget * self.recent_fraction)) if self.recent_fraction else 0
 
     def keep_scores(self, chunk, probs):
-        # probs [B, Hkv, G, c, N]: attention each candidate received from the chunk's real queries, mean over the group
-        received = (probs * chunk.real[:, None, None, :, None]).sum(3).mean(2)
-        chunk.state["acc"] = chunk.state["acc"] + received
+        # probs [B, Hkv, N]: attention each candidate received from the chunk's real queries, mean over the group
+        chunk.state["acc"] = chunk.state["acc"] + probs
         recent = chunk.cand_pos > chunk.now - self.recent
         return torch.where(recent & chunk.cand_ok, POS, chunk.state["acc"])
 
@@ -263,11 +264,10 @@ class DMS(Policy):
         return dms.hard_visible(chunk.state["evict"], chunk.distance(), self.window)[:, :, None]
 
     def keep_scores(self, chunk, probs):
-        age_next = chunk.now + 1 - chunk.cand_pos
-        expired = chunk.state["evict"] & (age_next > self.window)
-        in_window = age_next <= self.window
+        # still inside the window at the next step (age <= window); a marked key past it has expired
+        in_window = chunk.cand_pos > chunk.now - self.window
         score = torch.where(in_window | chunk.state["sink"], POS, -chunk.state["logit"])
-        return torch.where(expired, NEG, score)
+        return torch.where(chunk.state["evict"] & ~in_window, NEG, score)
 
 
 class TrimKV(Policy):
