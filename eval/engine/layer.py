@@ -184,7 +184,7 @@ class BoundedLayer(CacheLayerMixin):
             t.scatter_(-1, free, self.policy.state[name][1])
         chunk = Chunk(query=query.view(batch, kv_heads, heads // kv_heads, 1, dim), positions=positions, real=real,
                       gate=gate, cand_pos=pos, cand_ok=pos >= 0, state=dict(state), num_slots=n,
-                      rank_start=self.real_tokens, new_index=free)
+                      rank_start=self.real_tokens, most_held=self.in_use + 1, new_index=free)
         if gate is not None:
             self.policy.candidate_state(chunk)
         self.real_tokens = self.real_tokens + real[:, 0]
@@ -253,7 +253,7 @@ class BoundedLayer(CacheLayerMixin):
                                                 device=t.device)], -1) for name, t in self.state.items()}
         chunk = Chunk(query=query.view(batch, kv_heads, heads // kv_heads, c, dim), positions=positions, real=real,
                       gate=gate, cand_pos=cand_pos, cand_ok=cand_ok, state=state, num_slots=slots,
-                      rank_start=self.real_tokens)
+                      rank_start=self.real_tokens, most_held=self.in_use + c)
         if gate is not None:
             self.policy.candidate_state(chunk)
         self.real_tokens = self.real_tokens + real.sum(-1)

@@ -45,6 +45,7 @@ class Chunk:
     state: dict[str, torch.Tensor]  # per-candidate policy state, [B, Hkv, N]
     num_slots: int
     rank_start: torch.Tensor  # [B] real tokens each sequence had before this chunk
+    most_held: int  # at most this many candidates of one (sequence, KV head) hold a token: slots in use + chunk
     new_index: torch.Tensor | None = None  # decode layout: [B, Hkv, 1] the slot holding the new token
 
     @property
@@ -300,7 +301,7 @@ class TrimKV(Policy):
         chunk.mark_sinks(self.sink_count)
 
     def visibility(self, chunk):
-        if self.burst:
+        if self.burst or chunk.most_held <= self.budget:  # (no query can see more than its budget: all stay)
             return None
         distance = chunk.distance()
         valid = (distance >= 0) & chunk.cand_ok[:, :, None, :]
