@@ -125,7 +125,8 @@ REFERENCE: dict = {}
 
 
 def reference_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """Whole-sequence attention that replays the policy token by token with Python sets (batch 1, float64)."""
+    """Whole-sequence attention that replays the policy token by token with Python sets (batch 1, float64);
+    counts the keys each query reads per KV head."""
     cfg = REFERENCE
     policy, budget, chunks = cfg["policy"], cfg["budget"], cfg["chunks"]
     q, k, v = query[0], key[0], value[0]
@@ -155,6 +156,7 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
                 if policy == "trimkv":
                     cand = set(sorted(cand, key=lambda i: retention(i, t))[-budget:])
                 cand = sorted(cand)
+                cfg["reads"] += len(cand)
                 for g in range(group):
                     head = h * group + g
                     p = torch.softmax(torch.stack([q[head, t] @ k[h, i] for i in cand]) * scaling, 0)
@@ -220,12 +222,13 @@ def test_evictions_and_logits_equal_the_plain_reference(policy, chunk):
                    for layer in cache.layers]
 
     REFERENCE.clear()
-    REFERENCE.update(policy=policy, budget=budget, sinks=4, kept={}, chunks=engine_chunks(prefill, chunk, length))
+    REFERENCE.update(policy=policy, budget=budget, sinks=4, kept={}, reads=0, chunks=engine_chunks(prefill, chunk, length))
     AttentionInterface.register("engine_reference", reference_attention)
     model.set_attn_implementation("engine_reference")
     ref_logits = model(ids, use_cache=False).logits
 
     assert engine_kept == [REFERENCE["kept"][i] for i in range(len(cache.layers))]
+    assert cache.stats().query_reads == REFERENCE["reads"]  # every query, every layer and KV head
     torch.testing.assert_close(engine_logits, ref_logits, atol=1e-9, rtol=1e-9)
     if policy != "dms":
         assert cache.stats().capacity_evictions > 0

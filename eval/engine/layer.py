@@ -190,9 +190,15 @@ class BoundedLayer(CacheLayerMixin):
         self.real_tokens = self.real_tokens + real[:, 0]
 
         visible = chunk.cand_ok[:, :, None, None, :]  # [B, Hkv, 1, 1, N]
-        extra = self.policy.visibility(chunk)
-        if extra is not None:
-            visible = visible & extra
+        score = victim = extra = None
+        if self.policy.reads_what_it_keeps:  # the query reads what stays: every candidate but the one evicted
+            score = self.policy.keep_scores(chunk, None)
+            victim = torch.where(chunk.cand_ok, score, NEG).argmin(-1, keepdim=True)
+            visible = chunk.cand_ok.scatter(-1, victim, False)[:, :, None, None, :]
+        else:
+            extra = self.policy.visibility(chunk)
+            if extra is not None:
+                visible = visible & extra
         scores = query.view(batch, kv_heads, -1, dim) @ slot_keys.transpose(-1, -2)  # [B, Hkv, G, N]
         if scores.dtype != torch.promote_types(scores.dtype, torch.float32):  # softmax in float32 at least
             scores = scores.float()
@@ -200,7 +206,8 @@ class BoundedLayer(CacheLayerMixin):
         probs = scores.softmax(-1)
         out = probs.to(values.dtype).view(batch, kv_heads, -1, n) @ slot_values
 
-        score = self.policy.keep_scores(chunk, self._policy_input(chunk, probs))
+        if score is None:
+            score = self.policy.keep_scores(chunk, self._policy_input(chunk, probs))
         for name, t in state.items():
             if chunk.state[name] is not t:  # the policy replaced its state (H2O's accumulated attention)
                 t.copy_(chunk.state[name])
@@ -215,8 +222,15 @@ class BoundedLayer(CacheLayerMixin):
                 raise self._overflow()
         # the lowest candidate leaves: an empty (or dropped) slot whenever there is one, which changes nothing,
         # else the weakest held or new token; held tokens never score -inf (only what a policy drops does)
-        pos.scatter_(-1, torch.where(keep, score, NEG).argmin(-1, keepdim=True), -1)
-        read = visible.sum((2, 3, 4)) if extra is not None else count  # [B, Hkv]
+        if victim is None:
+            victim = torch.where(keep, score, NEG).argmin(-1, keepdim=True)
+        pos.scatter_(-1, victim, -1)
+        if extra is not None:
+            read = visible.sum((2, 3, 4))  # [B, Hkv]
+        elif self.policy.reads_what_it_keeps:
+            read = count.clamp(max=self.slots)  # all but the victim when the slots overflow
+        else:
+            read = count
         self._decode_log.append((read, count, real, self.real_tokens))
         if len(self._decode_log) == DECODE_LOG:
             self.settle_counters()

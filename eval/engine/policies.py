@@ -111,6 +111,10 @@ class Policy:
     gate_kind: str | None = None  # the model's gates this policy reads ("dms" | "trimkv"), if any
     can_overflow = False  # pins (+inf) more tokens than fit; only Full may: the others' pins are bounded in bind
     drops = False  # keep_scores may give -inf: a token the policy itself drops (DMS's expired keys)
+    # each query reads exactly the candidates keep_scores would keep at its step (TRIM-KV's top budget): a decode
+    # step then scores first and reads every candidate but the one it evicts, with no visibility of its own
+    # (such a policy drops nothing: its victim is the lowest keep score among the candidates)
+    reads_what_it_keeps = False
     state: ClassVar[dict[str, tuple[torch.dtype, float]]] = {}  # per-slot state: name -> (dtype, empty value)
 
     def bind(self, model, budget: int) -> None:
@@ -282,6 +286,7 @@ class TrimKV(Policy):
 
     name = "trimkv"
     gate_kind = "trimkv"
+    reads_what_it_keeps = True
     state: ClassVar = {"log_beta": (torch.float32, 0.0), "sink": (torch.bool, False)}
 
     def __init__(self, burst: int = 0):
