@@ -249,6 +249,29 @@ def test_dms_teacher_forcing_equals_the_gated_model_with_the_hard_mask(source):
     assert stats.capacity_evictions == 0 and stats.compression > 1.2  # the gates evict on their own
 
 
+def test_dms_reads_shrink_back_to_what_it_holds_and_stay_exact():
+    """DMS frees slots itself; new tokens fill the lowest free slot, and the region every query reads shrinks
+    back to the highest occupied slot after each prefill chunk and every SHRINK_EVERY decode steps."""
+    from eval.engine.layer import SHRINK_EVERY
+
+    model = gated("dms", window=3, sinks=1)
+    for gate in model_gates(model):
+        gate.proj.bias.data.fill_(gate.settings.offset + 2.0)  # most keys marked: the cache holds far fewer than it saw
+    length = 12 + 2 * SHRINK_EVERY
+    ids, mask = left_padded_batch(length=length)
+    with gate_mode(model, "infer"):
+        reference = model(ids, attention_mask=mask, use_cache=False).logits
+    cache = BoundedCache(model, policy="dms", budget=128, chunk_size=5)
+    logits = [model(ids[:, :12], attention_mask=mask[:, :12], cache=cache).logits]
+    logits += [model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache).logits for t in range(12, length)]
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(logits, 1)[real], reference[real], atol=1e-5, rtol=1e-5)
+    cache.stats()  # settles the peak
+    for layer in cache.layers:  # just shrunk (the last decode step is a multiple of SHRINK_EVERY)
+        assert bool((layer.positions[..., layer.in_use:] < 0).all())  # nothing held past the region read
+        assert layer.in_use <= int(layer.peak.max()) < length // 2  # lowest-free placement: extent <= peak held
+
+
 def test_quest_reads_fewer_keys_but_keeps_them_all():
     model = tiny_model()
     ids, mask = left_padded_batch(length=40)

@@ -24,6 +24,7 @@ from eval.engine.policies import NEG, POS, Chunk, EngineError, Policy
 from eval.engine.positions import compressed_positions, rotate
 
 DECODE_LOG = 256  # decode steps whose counts are folded into the counters at once
+SHRINK_EVERY = 32  # decode steps between two shrinks of a dropping policy's used region (one readback each)
 
 
 def slot_positions(positions: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -235,7 +236,18 @@ class BoundedLayer(CacheLayerMixin):
         if len(self._decode_log) == DECODE_LOG:
             self.settle_counters()
         self.in_use = min(self.in_use + 1, self.allocated)
+        if self.policy.drops and self.decode_steps % SHRINK_EVERY == 0:
+            self._shrink_used()
         return out.view(batch, heads, 1, -1)
+
+    def _shrink_used(self) -> None:
+        """Let `in_use` fall back to the highest occupied slot + 1. A policy that frees slots by itself (DMS's
+        expired keys) leaves holes, which new tokens fill lowest first, so what it holds stays near the front
+        while `in_use` only ever grows by itself; every query reads `in_use` slots. One readback to the host:
+        after each prefill chunk and every `SHRINK_EVERY` decode steps, never in the other decode steps."""
+        if self.in_use:
+            extent = torch.arange(1, self.in_use + 1, device=self.device)
+            self.in_use = int(((self.positions[..., :self.in_use] >= 0) * extent).amax())
 
     def settle_counters(self) -> None:
         """Fold the logged decode steps into the counters (reads, what a full cache would read, forced
@@ -306,6 +318,8 @@ class BoundedLayer(CacheLayerMixin):
         score = self.policy.keep_scores(chunk, probs)
         self._retain(chunk, score, keys, values)
         self.in_use = slots
+        if self.policy.drops:
+            self._shrink_used()
         self._count_held(real)
         return out.view(batch, heads, c, -1)
 
