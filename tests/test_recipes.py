@@ -9,7 +9,8 @@ from train.__main__ import main as train_main
 from train.config import load_recipe, total_steps
 
 SCALE_RECIPES = ["dms_qwen7b_cr8", "dms_llama1b_cr4", "trimkv_qwen3_4b_m512"]
-CPU_RECIPES = ["dms_smollm2_cr4", "trimkv_smollm2_m128", "dms_smollm2_long", "trimkv_smollm2_long", "dms_smollm2_traces"]
+CPU_RECIPES = ["dms_smollm2_cr4", "trimkv_smollm2_m128", "dms_smollm2_long", "dms_smollm2_long_cr4", "trimkv_smollm2_long",
+               "dms_smollm2_traces"]
 
 
 def dry_run_report(args: list[str], capsys) -> dict:
