@@ -90,23 +90,28 @@ def kvpress_stream(python: str, ids: torch.Tensor, budget: int):
 
 
 @torch.no_grad()
-def interleaved(model, ids: torch.Tensor, budget: int, kvpress_python: str | None = None
+def interleaved(model, ids: torch.Tensor, budget: int, kvpress_python: str | None = None, turn: int = 1
                 ) -> dict[str, tuple[float, torch.Tensor]]:
-    """Both streams one token each in turn (each under its attention implementation, switched outside the
-    timed part), so that a machine whose speed drifts slows both alike. Returns name -> (seconds, NLL [B, T-1])."""
+    """The streams take turns, `turn` tokens each (each under its attention implementation, switched outside
+    the timed part), so that a machine whose speed drifts slows all alike. With kvpress in another process, take
+    long turns: a process's OpenMP threads keep spinning for a while after its step, so a token-by-token
+    switch between processes makes each pay for the other's spin (both about twice as slow as alone).
+    Returns name -> (seconds, NLL [B, T-1])."""
     register_engine_attention()
     streams = {"plain": ("eager", plain_stream(model, ids, budget)),
                "engine": (ENGINE_ATTENTION, engine_stream(model, ids, budget))}
     if kvpress_python:
         streams["kvpress"] = (None, kvpress_stream(kvpress_python, ids, budget))
     totals = {name: [0.0, []] for name in streams}
-    for _ in range(ids.shape[1] - 1):
+    tokens = ids.shape[1] - 1
+    for start in range(0, tokens, turn):
         for name, (attention, stream) in streams.items():
             if attention and model.config._attn_implementation != attention:
                 model.set_attn_implementation(attention)
-            seconds, nll = next(stream)
-            totals[name][0] += seconds
-            totals[name][1].append(nll)
+            for _ in range(min(turn, tokens - start)):
+                seconds, nll = next(stream)
+                totals[name][0] += seconds
+                totals[name][1].append(nll)
     return {name: (seconds, torch.stack(nll, 1)) for name, (seconds, nll) in totals.items()}
 
 
@@ -116,14 +121,19 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=128)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--kvpress-python", help="python of an environment with kvpress (and transformers < 5.3)")
+    parser.add_argument("--turn", type=int, help="tokens each stream decodes before the next takes its turn "
+                        "(default: 1, or 128 with --kvpress-python, whose stream runs in another process)")
     args = parser.parse_args()
     model, tokenizer = load_backbone("smollm2-135m")
     docs = heldout_documents(PerplexityTask(documents=max(args.batches), tokens=args.tokens), tokenizer)
+    turn = args.turn if args.turn is not None else 128 if args.kvpress_python else 1
+    if turn < 1:
+        raise SystemExit(f"--turn {turn} is invalid; it must be >= 1")
     print(f"SmolLM2-135M, TOVA budget {args.budget}, {args.tokens} tokens one at a time, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads, streams taking turns every {turn} tokens")
     for batch in args.batches:
         ids = torch.stack(docs[:batch])
-        results = interleaved(model, ids, args.budget, args.kvpress_python)
+        results = interleaved(model, ids, args.budget, args.kvpress_python, turn)
         (plain_s, plain_nll), (engine_s, engine_nll) = results["plain"], results["engine"]
         print(f"batch {batch}: plain DynamicCache loop {plain_s:7.1f} s, engine {engine_s:7.1f} s, "
               f"engine speed-up x{plain_s / engine_s:.2f} (target >= 1 at batch 1, > 1 at batch 8); per-token NLL "
