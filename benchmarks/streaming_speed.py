@@ -9,10 +9,11 @@ the held-out essays, one row per sequence of the batch, and their per-token NLLs
 
 With --kvpress-python, kvpress's `DecodingPress(TOVAPress)` (compressing to the budget after every token)
 runs as a third stream in its own environment (benchmarks/kvpress_worker.py: kvpress needs transformers <
-5.3), stepped in turn with the other two. Its rule differs in one point: it never evicts the newest token.
+5.3), taking turns with the other two, 128 tokens each (see `interleaved`). Its rule differs in one point: it
+never evicts the newest token.
 
     python benchmarks/streaming_speed.py [--tokens 2048] [--budget 128] [--batches 1 8]
-        [--kvpress-python /path/to/kvpress-env/bin/python]
+        [--kvpress-python /path/to/kvpress-env/bin/python] [--turn N]
 """
 
 from __future__ import annotations
