@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -221,6 +222,24 @@ def _two_node_torchrun(args: list[str]) -> list[subprocess.Popen]:
             for node in (0, 1)]
 
 
+def _kill_launch(proc: subprocess.Popen) -> list[psutil.Process]:
+    """SIGKILL a torchrun launch and every process it started: its workers run in sessions of their own, so
+    killing the launch's process group alone leaves them training (and writing checkpoints) after the test."""
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    os.killpg(proc.pid, signal.SIGKILL)
+    for child in family:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    psutil.wait_procs(family, timeout=60)
+    return family
+
+
 @pytest.mark.slow
 @pytest.mark.ci
 def test_two_torchrun_nodes_match_one_process_and_resume_after_kill(tiny_backbone, tmp_path):
@@ -249,9 +268,8 @@ def test_two_torchrun_nodes_match_one_process_and_resume_after_kill(tiny_backbon
     while not list((killed / "resume_state").glob("step*.ckpt")) and time.time() < deadline \
             and all(p.poll() is None for p in procs):
         time.sleep(0.05)
-    for proc in procs:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    family = [child for proc in procs for child in _kill_launch(proc)]
+    assert family and not any(child.is_running() and child.status() != psutil.STATUS_ZOMBIE for child in family)
     done_before = int(sorted((killed / "resume_state").glob("step*.ckpt"))[-1].stem[4:])
     assert done_before < steps, "the run must be killed part-way"
     procs = _two_node_torchrun(overrides(tiny_backbone, killed, **common, **nodes, **{"resume": "auto"}))

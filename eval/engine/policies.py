@@ -224,7 +224,7 @@ class DMS(Policy):
 
     One float per slot says everything about its key: the decision logit (evicted iff positive), NaN while
     the token that decides it has not come yet, -inf for a sink (never evicted, kept first when slots
-    overflow). One state tensor instead of four: a decode step's bookkeeping is a dozen small ops fewer.
+    overflow). A single state tensor keeps a decode step's bookkeeping to a few small ops.
     """
 
     name = "dms"
