@@ -9,6 +9,7 @@ from transformers import AttentionInterface, DynamicCache
 
 import models
 from eval.engine import POLICIES, TOVA, BoundedCache, EngineError, Sink
+from eval.engine import layer as engine_layer
 from models import attach_gates, gate_mode, model_gates
 
 BASELINES = ["full", "window", "sink", "h2o", "tova", "quest"]
@@ -206,10 +207,11 @@ def make_reference_model(policy, seed):
 
 @pytest.mark.parametrize("policy", ["window", "sink", "h2o", "tova", "trimkv", "dms"])
 @pytest.mark.parametrize("chunk", [1, 3])
+@pytest.mark.parametrize("prefill", [11, 1])  # 1: decode steps start before the learned policies' sinks are passed
 @torch.no_grad()
-def test_evictions_and_logits_equal_the_plain_reference(policy, chunk):
+def test_evictions_and_logits_equal_the_plain_reference(policy, chunk, prefill):
     torch.manual_seed(3)
-    length, prefill = 26, 11
+    length = 26
     budget = 32 if policy == "dms" else 6  # DMS evicts by its own decisions; forced evictions are tested apart
     model = make_reference_model(policy, seed=2)
     ids = torch.randint(0, 97, (1, length))
@@ -232,6 +234,25 @@ def test_evictions_and_logits_equal_the_plain_reference(policy, chunk):
     torch.testing.assert_close(engine_logits, ref_logits, atol=1e-9, rtol=1e-9)
     if policy != "dms":
         assert cache.stats().capacity_evictions > 0
+
+
+@pytest.mark.parametrize("chunk", [3, 11])
+def test_h2o_prefill_in_blocks_of_queries_equals_the_plain_reference(chunk, monkeypatch):
+    """H2O's prefill attention runs in blocks of queries, each reading only what its queries can see."""
+    monkeypatch.setattr(engine_layer, "RECEIVED_BLOCK", 2)
+    test_evictions_and_logits_equal_the_plain_reference("h2o", chunk, 11)
+
+
+def test_h2o_prefill_blocks_of_padding_alone_change_nothing(monkeypatch):
+    """Blocks where every row is padding read nothing; the real tokens' results are those of one block."""
+    model = tiny_model()
+    ids, mask = left_padded_batch(length=24)
+    mask[:, :2] = 0  # the first block of two queries is padding in every row
+    expected = generate(model, ids, mask, BoundedCache(model, policy="h2o", budget=12))
+    monkeypatch.setattr(engine_layer, "RECEIVED_BLOCK", 2)
+    seq, scores = generate(model, ids, mask, BoundedCache(model, policy="h2o", budget=12))
+    assert torch.equal(seq, expected[0])
+    torch.testing.assert_close(scores, expected[1], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("source", ["adapter", "query_neuron"])

@@ -172,6 +172,40 @@ def test_sinks_stay_visible_when_every_other_key_is_evicted():
     torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
 
 
+def test_dms_adapter_at_inference_reads_the_layer_norm_output_and_matches_float64():
+    """The inference shortcut (the adapter as one matmul on the layer's normed input) gives the adapter's logits:
+    against a float64 RMSNorm + projection, after a parameter changes in place, and on the full path it falls back
+    to when the layer norm's weight holds a zero."""
+    model = attach_gates(tiny_model("llama"), "dms", window=2, source="adapter")
+    torch.manual_seed(3)
+    layer, gate = model.model.layers[1], model.model.layers[1].self_attn.kv_gate
+    with torch.no_grad():
+        for p in (layer.input_layernorm.weight, gate.norm.weight, gate.proj.weight, gate.proj.bias):
+            p.copy_(torch.randn_like(p) * 0.5 + (1.0 if p.dim() == 1 and p is not gate.proj.bias else 0.0))
+    residual = torch.randn(2, 5, model.config.hidden_size) * 3
+
+    def reference():
+        x = residual.double()
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + gate.norm.eps) * gate.norm.weight.double()
+        raw = normed @ gate.proj.weight.double().T + gate.proj.bias.double()
+        return (gate.settings.alpha_scale * raw - gate.settings.offset).transpose(1, 2)
+
+    def inferred():
+        with torch.no_grad():
+            return gate.compute(residual, layer.input_layernorm(residual), layer.input_layernorm).double()
+
+    set_gate_mode(model, "infer")
+    torch.testing.assert_close(inferred(), reference(), atol=1e-3, rtol=1e-5)
+    assert gate._fold[1] is not None, "the shortcut must be the path taken here"
+    with torch.no_grad():
+        gate.proj.weight.mul_(-2)
+    torch.testing.assert_close(inferred(), reference(), atol=1e-3, rtol=1e-5)
+    with torch.no_grad():
+        layer.input_layernorm.weight[7] = 0.0
+    torch.testing.assert_close(inferred(), reference(), atol=1e-3, rtol=1e-5)
+    assert gate._fold[1] is None
+
+
 @pytest.mark.parametrize("kind", ["dms", "trimkv"])
 def test_cached_generation_matches_one_forward_in_inference_mode(kind):
     settings = {"window": 2, "alpha_scale": 3.0, "offset": 0.0} if kind == "dms" else {"hidden": 8, "budget": 6, "bias_init": 0.0}

@@ -148,11 +148,13 @@ class BoundedCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if self._model is None:
             raise EngineError("this BoundedCache was closed; create a new one for another generate call")
-        if self._config._attn_implementation != ENGINE_ATTENTION:
+        # (checked once per forward: reading the config costs microseconds, a decode step has one per layer)
+        if layer_idx == 0 and self._config._attn_implementation != ENGINE_ATTENTION:
             raise EngineError(f"BoundedCache needs the model's attention set to {ENGINE_ATTENTION!r}, but it is "
                               f"{self._config._attn_implementation!r}; do not change it while the cache is in use")
-        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        setattr(self._attention_modules[layer_idx], _BOUND, self.layers[layer_idx])
+        layer = self.layers[layer_idx]
+        out = layer.update(key_states, value_states)
+        self._attention_modules[layer_idx].__dict__[_BOUND] = layer  # (past nn.Module.__setattr__'s checks)
         return out
 
     def crop(self, max_length: int) -> None:
@@ -215,8 +217,8 @@ class NewTokens:
 
     def __call__(self, attention_mask, position_ids, length: int, batch: int, q_len: int, device):
         key = (attention_mask, position_ids, length, batch, q_len)
-        if self._key is not None and all(a is b if isinstance(a, torch.Tensor) or a is None else a == b
-                                         for a, b in zip(key, self._key)):
+        cached = self._key
+        if cached is not None and attention_mask is cached[0] and position_ids is cached[1] and key[2:] == cached[2:]:
             return self._value
         real = _new_token_real(attention_mask, batch, q_len, device)
         positions = position_ids if position_ids is not None else torch.arange(length, length + q_len, device=device)

@@ -25,6 +25,7 @@ from eval.engine.positions import compressed_positions, rotate
 
 DECODE_LOG = 256  # decode steps whose counts are folded into the counters at once
 SHRINK_EVERY = 32  # decode steps between two shrinks of a dropping policy's used region (one readback each)
+RECEIVED_BLOCK = 128  # queries per block of a prefill chunk's attention when the policy adds up what keys received
 
 
 def slot_positions(positions: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -49,6 +50,7 @@ class BoundedLayer(CacheLayerMixin):
         self.chunk_size = chunk_size
         self.length = 0  # positions processed, padding included: what transformers counts positions from
         self.in_use = 0  # slots [0, in_use) may hold tokens; later ones are still empty and are not read
+        self.past_sinks = policy.sink_count == 0  # no new token can be a sink (see _read_back)
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.decode_steps = 0
         self.decode_reads = 0
@@ -99,6 +101,7 @@ class BoundedLayer(CacheLayerMixin):
         self.is_initialized = False
         self.keys = self.values = None
         self.length = self.in_use = self.decode_steps = 0
+        self.past_sinks = self.policy.sink_count == 0
         self.decode_reads = self.full_cache_reads = self.capacity_evictions = 0
         self.query_reads = self.held_integral = 0
         self._decode_log = []
@@ -176,46 +179,51 @@ class BoundedLayer(CacheLayerMixin):
         n = min(self.in_use + 2, self.allocated)
         pos, slot_keys, slot_values = self.positions[..., :n], self.keys[:, :, :n], self.values[:, :, :n]
         free = pos.argmin(-1, keepdim=True)  # [B, Hkv, 1] a slot holding -1 (free)
-        positions = positions.to(torch.int32)
         pos.scatter_(-1, free, stored[:, None].expand(-1, kv_heads, -1))
         slot_keys.scatter_(2, free[..., None].expand(-1, -1, -1, dim), keys)
         slot_values.scatter_(2, free[..., None].expand(-1, -1, -1, values.shape[-1]), values)
         state = {name: t[..., :n] for name, t in self.state.items()}
-        for name, t in state.items():
-            t.scatter_(-1, free, self.policy.state[name][1])
         chunk = Chunk(query=query.view(batch, kv_heads, heads // kv_heads, 1, dim), positions=positions, real=real,
                       gate=gate, cand_pos=pos, cand_ok=pos >= 0, state=dict(state), num_slots=n,
-                      rank_start=self.real_tokens, most_held=self.in_use + 1, new_index=free)
-        if gate is not None:
+                      rank_start=self.real_tokens, most_held=self.in_use + 1, new_index=free,
+                      latest=stored[:, :, None], past_sinks=self.past_sinks)
+        if gate is None:
+            for name, t in state.items():
+                t.scatter_(-1, free, self.policy.state[name][1])
+        else:
             self.policy.candidate_state(chunk)
         self.real_tokens = self.real_tokens + real[:, 0]
 
         visible = chunk.cand_ok[:, :, None, None, :]  # [B, Hkv, 1, 1, N]
         score = victim = extra = None
-        if self.policy.reads_what_it_keeps:  # the query reads what stays: every candidate but the one evicted
+        if self.policy.reads_what_it_keeps:  # the query reads what stays: the lowest candidate leaves first
             score = self.policy.keep_scores(chunk, None)
             victim = torch.where(chunk.cand_ok, score, NEG).argmin(-1, keepdim=True)
-            visible = chunk.cand_ok.scatter(-1, victim, False)[:, :, None, None, :]
+            pos.scatter_(-1, victim, -1)
+            visible = (pos >= 0)[:, :, None, None, :]
         else:
             extra = self.policy.visibility(chunk)
             if extra is not None:
                 visible = visible & extra
-        scores = query.view(batch, kv_heads, -1, dim) @ slot_keys.transpose(-1, -2)  # [B, Hkv, G, N]
-        if scores.dtype != torch.promote_types(scores.dtype, torch.float32):  # softmax in float32 at least
+        # one bmm pair over [B * Hkv, ...] views (fewer dispatches than a 4-d matmul); fused SDPA here measured no
+        # faster at one query per sequence (docs/experiments/2026-11-30-eval-suite.md, sessions 10 and 12)
+        scores = torch.bmm(query.view(batch * kv_heads, -1, dim), slot_keys.flatten(0, 1).transpose(1, 2))
+        if scores.dtype not in (torch.float32, torch.float64):  # softmax in float32 at least
             scores = scores.float()
         scores = torch.where(visible, scores.mul_(scaling).view(batch, kv_heads, -1, 1, n), torch.finfo(scores.dtype).min)
-        probs = scores.softmax(-1)
-        out = probs.to(values.dtype).view(batch, kv_heads, -1, n) @ slot_values
+        probs = scores.softmax(-1)  # [B, Hkv, G, 1, N]
+        out = torch.bmm(probs.to(values.dtype).view(batch * kv_heads, -1, n), slot_values.flatten(0, 1))
 
         if score is None:
             score = self.policy.keep_scores(chunk, self._policy_input(chunk, probs))
         for name, t in state.items():
             if chunk.state[name] is not t:  # the policy replaced its state (H2O's accumulated attention)
                 t.copy_(chunk.state[name])
-        keep = chunk.cand_ok
-        if self.policy.drops:
-            keep = keep & (score != NEG)
-            pos.masked_fill_(~keep, -1)  # what the policy drops (DMS's expired keys) frees its slot
+        if self.policy.drops:  # what the policy drops (DMS's expired keys) frees its slot
+            pos.masked_fill_(score == NEG, -1)
+            keep = pos >= 0
+        else:
+            keep = chunk.cand_ok
         count = keep.sum(-1)  # [B, Hkv] tokens that want to stay
         if self.policy.can_overflow:  # Full pins every token: past its slots, refuse rather than evict one
             pinned = torch.isposinf(torch.where(keep, score, POS).amin(-1))
@@ -225,29 +233,39 @@ class BoundedLayer(CacheLayerMixin):
         # else the weakest held or new token; held tokens never score -inf (only what a policy drops does)
         if victim is None:
             victim = torch.where(keep, score, NEG).argmin(-1, keepdim=True)
-        pos.scatter_(-1, victim, -1)
-        if extra is not None:
-            read = visible.sum((2, 3, 4))  # [B, Hkv]
-        elif self.policy.reads_what_it_keeps:
-            read = count.clamp(max=self.slots)  # all but the victim when the slots overflow
-        else:
-            read = count
+            pos.scatter_(-1, victim, -1)
+        # [B, Hkv] keys read; a policy that reads what it keeps read all but the victim when the slots overflowed,
+        # min(count, slots), which settle_counters takes
+        read = count if extra is None else visible.sum((2, 3, 4))
         self._decode_log.append((read, count, real, self.real_tokens))
         if len(self._decode_log) == DECODE_LOG:
             self.settle_counters()
         self.in_use = min(self.in_use + 1, self.allocated)
         if self.policy.drops and self.decode_steps % SHRINK_EVERY == 0:
-            self._shrink_used()
+            self._read_back()
         return out.view(batch, heads, 1, -1)
 
-    def _shrink_used(self) -> None:
-        """Let `in_use` fall back to the highest occupied slot + 1. A policy that frees slots by itself (DMS's
-        expired keys) leaves holes, which new tokens fill lowest first, so what it holds stays near the front
-        while `in_use` only ever grows by itself; every query reads `in_use` slots. One readback to the host:
-        after each prefill chunk and every `SHRINK_EVERY` decode steps, never in the other decode steps."""
-        if self.in_use:
+    def _read_back(self) -> None:
+        """Bring the host's view of the slots up to date, in one readback: after each prefill chunk and every
+        `SHRINK_EVERY` decode steps of a dropping policy, never in the other decode steps.
+
+        `in_use` falls back to the highest occupied slot + 1 for a policy that frees slots by itself (DMS's
+        expired keys): it leaves holes, which new tokens fill lowest first, so what it holds stays near the front
+        while `in_use` only ever grows by itself, and every query reads `in_use` slots. `past_sinks` turns true
+        once every sequence has more real tokens than the policy's sinks: new tokens' sink tests stop then."""
+        wanted = []
+        if self.policy.drops and self.in_use:
             extent = torch.arange(1, self.in_use + 1, device=self.device)
-            self.in_use = int(((self.positions[..., :self.in_use] >= 0) * extent).amax())
+            wanted.append(((self.positions[..., :self.in_use] >= 0) * extent).amax())
+        if not self.past_sinks:
+            wanted.append((self.real_tokens >= self.policy.sink_count).all())
+        if not wanted:
+            return
+        values = torch.stack([v.long() for v in wanted]).tolist()
+        if self.policy.drops and self.in_use:
+            self.in_use = values.pop(0)
+        if not self.past_sinks:
+            self.past_sinks = bool(values.pop(0))
 
     def settle_counters(self) -> None:
         """Fold the logged decode steps into the counters (reads, what a full cache would read, forced
@@ -258,6 +276,8 @@ class BoundedLayer(CacheLayerMixin):
         self._decode_log = []
         real = real.long()  # [S, B, 1]
         held = count.clamp(max=self.slots)  # [S, B, Hkv]
+        if self.policy.reads_what_it_keeps:
+            read = held
         reads = (read * real).sum()
         self.query_reads += reads
         self.decode_reads += reads
@@ -279,7 +299,7 @@ class BoundedLayer(CacheLayerMixin):
                                                 device=t.device)], -1) for name, t in self.state.items()}
         chunk = Chunk(query=query.view(batch, kv_heads, heads // kv_heads, c, dim), positions=positions, real=real,
                       gate=gate, cand_pos=cand_pos, cand_ok=cand_ok, state=state, num_slots=slots,
-                      rank_start=self.real_tokens, most_held=self.in_use + c)
+                      rank_start=self.real_tokens, most_held=self.in_use + c, past_sinks=self.past_sinks)
         if gate is not None:
             self.policy.candidate_state(chunk)
         self.real_tokens = self.real_tokens + real.sum(-1)
@@ -299,9 +319,11 @@ class BoundedLayer(CacheLayerMixin):
             visible = visible & extra
         if used < slots:  # what the queries read: the used slots and the chunk
             visible = torch.cat([visible[..., :used], visible[..., slots:]], -1)
-        if self.policy.needs_probs == "received" or self.inv_freq is not None:
+        if self.inv_freq is not None:
             out, probs = self._attend_scores(chunk, query, slot_keys, keys, slot_values, values, visible, scaling)
             probs = self._policy_input(chunk, probs)
+        elif self.policy.needs_probs == "received":
+            out, probs = self._attend_received(chunk, query, slot_keys, keys, slot_values, values, visible, scaling)
         else:
             if used == 0 and extra is None and bool(real.all()):
                 # nothing held yet and no padding: the chunk's own causal attention, as a plain cache computes it
@@ -318,14 +340,13 @@ class BoundedLayer(CacheLayerMixin):
         score = self.policy.keep_scores(chunk, probs)
         self._retain(chunk, score, keys, values)
         self.in_use = slots
-        if self.policy.drops:
-            self._shrink_used()
+        self._read_back()
         self._count_held(real)
         return out.view(batch, heads, c, -1)
 
     def _attend_scores(self, chunk: Chunk, query, slot_keys, keys, slot_values, values, visible, scaling):
-        """Attention with the probabilities written out ([B, Hkv, G, c, used slots + c]), for a policy that reads
-        every query's (H2O) or for gap compression's re-rotated queries and keys."""
+        """Attention over gap compression's re-rotated queries and keys, with the probabilities written out
+        ([B, Hkv, G, c, used slots + c]) for the policy to read."""
         batch, heads, c, dim = query.shape
         kv_heads, group, read = keys.shape[1], heads // keys.shape[1], slot_keys.shape[2] + c
         if self.inv_freq is not None:
@@ -338,6 +359,37 @@ class BoundedLayer(CacheLayerMixin):
         scores.masked_fill_(~visible, torch.finfo(dtype).min)
         probs = scores.softmax(-1)
         return probs.to(values.dtype).view(batch, kv_heads, group * c, read) @ values, probs
+
+    @staticmethod
+    def _attend_received(chunk: Chunk, query, slot_keys, keys, slot_values, values, visible, scaling):
+        """A prefill chunk's attention [B, H, c, D] and what each candidate received from its real queries, mean
+        over the query group, [B, Hkv, used slots + c] (H2O), in blocks of `RECEIVED_BLOCK` queries. A block
+        reads the candidates up to the last one any of its queries sees (one readback per chunk finds them):
+        causally, about half of the chunk's score matrix is ever written, a block at a time, instead of all of
+        it at once. The hidden candidates it skips would get exactly zero probability."""
+        batch, heads, c, dim = query.shape
+        kv_heads, group, read = keys.shape[1], heads // keys.shape[1], slot_keys.shape[2] + c
+        if slot_keys.shape[2]:  # one matmul over slots and chunk: concatenating keys is cheaper than scores
+            keys, values = torch.cat([slot_keys, keys], 2), torch.cat([slot_values, values], 2)
+        dtype = torch.promote_types(keys.dtype, torch.float32)  # softmax in float32 at least (float64 stays)
+        starts = list(range(0, c, RECEIVED_BLOCK))
+        seen = visible.any(2).any(1).any(0)  # [c, N] some sequence's query reads the candidate
+        reach = (seen * torch.arange(1, read + 1, device=seen.device)).amax(-1)  # [c] candidates up to the last seen
+        ends = torch.stack([reach[a:a + RECEIVED_BLOCK].amax() for a in starts]).tolist()
+        queries = query.view(batch, kv_heads, group, c, dim)
+        weights = chunk.real.to(dtype)  # real queries only
+        out = query.new_empty(batch, kv_heads, group, c, values.shape[-1])
+        received = torch.zeros(batch, kv_heads, read, dtype=dtype, device=query.device)
+        for a, n in zip(starts, ends):
+            b = min(a + RECEIVED_BLOCK, c)
+            scores = queries[:, :, :, a:b].reshape(batch, kv_heads, group * (b - a), dim) @ keys[:, :, :n].transpose(-1, -2)
+            scores = scores.to(dtype).mul_(scaling).view(batch, kv_heads, group, b - a, n)
+            scores.masked_fill_(~visible[..., a:b, :n], torch.finfo(dtype).min)
+            probs = scores.softmax(-1)
+            out[:, :, :, a:b] = (probs.to(values.dtype).view(batch, kv_heads, group * (b - a), n)
+                                 @ values[:, :, :n]).view(batch, kv_heads, group, b - a, -1)
+            received[..., :n] += (weights[:, None, None, None, a:b] @ probs)[:, :, :, 0].mean(2)
+        return out.view(batch, heads, c, -1), received
 
     def _policy_input(self, chunk: Chunk, probs: torch.Tensor) -> torch.Tensor | None:
         """What the policy's keep_scores reads (`Policy.needs_probs`) from the chunk's probabilities [B, Hkv, G, c, N]:

@@ -47,6 +47,8 @@ class Chunk:
     rank_start: torch.Tensor  # [B] real tokens each sequence had before this chunk
     most_held: int  # at most this many candidates of one (sequence, KV head) hold a token: slots in use + chunk
     new_index: torch.Tensor | None = None  # decode layout: [B, Hkv, 1] the slot holding the new token
+    latest: torch.Tensor | None = None  # [B, 1, 1] `now`, when the engine has it already (a decode step)
+    past_sinks: bool = False  # every sequence is past its first `Policy.sink_count` real tokens: no new sink
 
     @property
     def size(self) -> int:
@@ -61,13 +63,16 @@ class Chunk:
         """[B, Hkv, c, N] t - i from each query (or from positions `at`, [B, 1, c', 1]) to each candidate."""
         return (self.query_pos if at is None else at) - self.cand_pos[:, :, None, :]
 
-    def set_new(self, name: str, values: torch.Tensor) -> None:
-        """Write the chunk's tokens' state `name` ([B, Hkv, c]) into its candidate positions (in place)."""
+    def set_new(self, name: str, values: torch.Tensor | float) -> None:
+        """Write the chunk's tokens' state `name` ([B, Hkv or 1, c], or one value for all) into its candidate
+        positions (in place)."""
         state = self.state[name]
         if self.new_index is None:
             state[..., self.num_slots:] = values
+        elif isinstance(values, torch.Tensor):
+            state.scatter_(-1, self.new_index, values.to(state.dtype).expand(self.new_index.shape))
         else:
-            state.scatter_(-1, self.new_index, values.to(state.dtype))
+            state.scatter_(-1, self.new_index, values)
 
     @property
     def rank(self) -> torch.Tensor:
@@ -88,6 +93,8 @@ class Chunk:
     @property
     def now(self) -> torch.Tensor:
         """[B, 1, 1] position of the chunk's last token (rows that are all padding get -1)."""
+        if self.latest is not None:
+            return self.latest
         pos = torch.where(self.real, self.positions, -1)
         return pos[:, :, None] if self.size == 1 else pos.max(-1).values[:, None, None]
 
@@ -107,6 +114,7 @@ class Policy:
     # step then scores first and reads every candidate but the one it evicts, with no visibility of its own
     # (such a policy drops nothing: its victim is the lowest keep score among the candidates)
     reads_what_it_keeps = False
+    sink_count = 0  # a sequence's first real tokens that the policy pins (the gated model's sinks)
     state: ClassVar[dict[str, tuple[torch.dtype, float]]] = {}  # per-slot state: name -> (dtype, empty value)
 
     def bind(self, model, budget: int) -> None:
@@ -123,7 +131,8 @@ class Policy:
         return self.capacity()
 
     def candidate_state(self, chunk: Chunk) -> None:
-        """Fill in the chunk's part of the per-candidate state (slots' part is already there)."""
+        """A gated policy's state for the chunk's tokens, every entry of it (`Chunk.set_new`), and its update
+        of the slots' state. Policies without gates never run it: their new tokens get the empty values."""
 
     def visibility(self, chunk: Chunk) -> torch.Tensor | None:
         return None
@@ -241,28 +250,29 @@ class DMS(Policy):
         return self.budget + self.window
 
     def candidate_state(self, chunk):
-        gate = chunk.gate.expand(-1, chunk.cand_pos.shape[1], -1)  # [B, Hkv, c]
         logit = chunk.state["logit"]
-        # the first token of this chunk decides the key still pending: the last key of the previous forward
-        # (the chunk's own tokens look pending too here; they are overwritten just below)
-        pending = logit.isnan() & chunk.cand_ok & chunk.real[:, None, :1]
-        logit.copy_(torch.where(pending, gate[..., :1], logit))
+        # the first token of this chunk decides the key still pending: the last key of the previous forward (the
+        # chunk's own tokens look pending too here, and so may the decode layout's new slot with what its last
+        # occupant left, or an empty slot; the first two are overwritten just below, the last is never read)
+        logit.copy_(torch.where(logit.isnan() & chunk.real[:, None, :1], chunk.gate[..., :1], logit))
         # inside the chunk key j is decided by token j + 1; the last waits for the next forward (a decode step's
         # single token decides nothing of its own)
-        new = dms.shift(gate, math.nan) if chunk.size > 1 else torch.full_like(gate, math.nan)
-        chunk.set_new("logit", new.masked_fill(chunk.sinks(self.sink_count), NEG))
+        new = dms.shift(chunk.gate, math.nan) if chunk.size > 1 else math.nan
+        if not chunk.past_sinks:
+            new = torch.where(chunk.sinks(self.sink_count), NEG, new)
+        chunk.set_new("logit", new)
 
     def visibility(self, chunk):
         return dms.hard_visible(dms.evicts(chunk.state["logit"]), chunk.distance(), self.window)[:, :, None]
 
     def keep_scores(self, chunk, probs):
-        # still inside the window at the next step (age <= window); a marked key past it has expired. Outside
-        # the window the most eviction-prone go first when slots overflow (an undecided key, only possible with
-        # window 0, ranks as logit 0; a sink's -inf logit ranks it first to stay)
+        # still inside the window at the next step (age <= window): kept. Outside it the most eviction-prone go
+        # first when slots overflow (-logit: an undecided key, only possible with window 0, ranks as logit 0; a
+        # sink's -inf logit ranks it first to stay), and a marked key (logit > 0, so -logit < 0) has expired
         logit = chunk.state["logit"]
         in_window = chunk.cand_pos > chunk.now - self.window
-        score = torch.where(in_window, POS, -logit.nan_to_num(0.0))
-        return score.masked_fill(dms.evicts(logit) & ~in_window, NEG)
+        score = torch.where(in_window, POS, logit.nan_to_num(0.0).neg_())
+        return score.masked_fill_(score < 0, NEG)
 
 
 class TrimKV(Policy):
@@ -292,9 +302,11 @@ class TrimKV(Policy):
         return self.budget + self.burst
 
     def candidate_state(self, chunk):
-        kv_heads = chunk.cand_pos.shape[1]
-        chunk.set_new("log_beta", chunk.gate.expand(-1, kv_heads, -1))
-        chunk.set_new("sink", chunk.sinks(self.sink_count).expand(-1, kv_heads, -1))
+        chunk.set_new("log_beta", chunk.gate)
+        # past the sinks a decode step leaves the new slot's flag as it is: False, as in every empty slot, since
+        # sinks are never evicted (they score +inf and fit in the budget)
+        if not (chunk.past_sinks and chunk.new_index is not None):
+            chunk.set_new("sink", False if chunk.past_sinks else chunk.sinks(self.sink_count))
 
     def visibility(self, chunk):
         if self.burst or chunk.most_held <= self.budget:  # (no query can see more than its budget: all stay)
@@ -305,8 +317,10 @@ class TrimKV(Policy):
         return keep[:, :, None]
 
     def keep_scores(self, chunk, probs):
-        score = trimkv.retention_score(chunk.state["log_beta"], chunk.distance(at=chunk.now[:, :, :, None]))[:, :, 0]
-        return score.masked_fill(chunk.state["sink"], POS)
+        # trimkv.retention_score at the chunk's last step, which no held candidate comes after (a row that is all
+        # padding, now -1, adds nothing and so evicts nothing, whatever its scores)
+        score = (chunk.now - chunk.cand_pos) * chunk.state["log_beta"]
+        return score.masked_fill_(chunk.state["sink"], POS)
 
     def evict_to(self):
         return self.budget

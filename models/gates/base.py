@@ -101,10 +101,12 @@ class KVGate(nn.Module):
 
     def _on_layer_input(self, norm, args, normed):
         if self.active:
-            self._current = self.compute(residual=args[0], normed=normed)
+            self._current = self.compute(residual=args[0], normed=normed, layer_norm=norm)
 
-    def compute(self, residual: torch.Tensor, normed: torch.Tensor) -> torch.Tensor | None:
-        """Per-position gate values [B, n, T] from the layer input; None when they come from elsewhere."""
+    def compute(self, residual: torch.Tensor, normed: torch.Tensor, layer_norm: nn.Module | None = None
+                ) -> torch.Tensor | None:
+        """Per-position gate values [B, n, T] from the layer input (the residual stream and the layer's
+        input_layernorm output, `layer_norm`'s); None when they come from elsewhere."""
         raise NotImplementedError
 
     def mask_query(self, query: torch.Tensor) -> torch.Tensor:
@@ -184,7 +186,7 @@ class GateKind:
 
 def at_least_float32(x: torch.Tensor) -> torch.Tensor:
     """Gate values in float32 even for a bf16 model (float64 stays float64 for the reference tests)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
 def visible_to_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from models.gates.base import (
@@ -58,7 +59,7 @@ class TrimKVSettings:
 def retention_score(log_beta: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
     """(t - i) * log beta_i, the eviction score and (added to logits) the soft decay. log_beta [B, n, Tk],
     distance [..., Tq, Tk] -> [B, n, Tq, Tk]."""
-    return distance.clamp(min=0).to(log_beta.dtype) * log_beta[:, :, None, :]
+    return distance.clamp(min=0) * log_beta[:, :, None, :]  # (an integer distance promotes to log_beta's dtype)
 
 
 def occupancy_from_decay(decay: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -88,8 +89,7 @@ class TrimKVGate(KVGate):
 
     def __init__(self, config, layer_idx: int, state: GateState, settings: TrimKVSettings):
         super().__init__(config, layer_idx, state, settings)
-        self.up = nn.Linear(config.hidden_size, settings.hidden, bias=True)
-        self.act = nn.SiLU()
+        self.up = nn.Linear(config.hidden_size, settings.hidden, bias=True)  # then SiLU
         self.down = nn.Linear(settings.hidden, self.num_kv_heads, bias=False)
         self.head_bias = nn.Parameter(torch.empty(self.num_kv_heads))
         self.reset_parameters()
@@ -100,9 +100,10 @@ class TrimKVGate(KVGate):
         nn.init.zeros_(self.up.bias)
         nn.init.constant_(self.head_bias, float(self.settings.bias_init))
 
-    def compute(self, residual, normed):
-        x = self.down(self.act(self.up(at_least_float32(normed)))) + self.head_bias
-        return torch.nn.functional.logsigmoid(at_least_float32(x)).transpose(1, 2)  # log beta [B, Hkv, T]
+    def compute(self, residual, normed, layer_norm=None):
+        # functional calls: a decode step runs this once per layer, where module-call overhead is a visible share
+        hidden = F.silu(F.linear(at_least_float32(normed), self.up.weight, self.up.bias))
+        return F.logsigmoid(F.linear(hidden, self.down.weight, self.head_bias)).transpose(1, 2)  # log beta [B, Hkv, T]
 
     @property
     def multiplicative(self) -> bool:
