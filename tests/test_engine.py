@@ -236,21 +236,43 @@ def test_evictions_and_logits_equal_the_plain_reference(policy, chunk, prefill):
         assert cache.stats().capacity_evictions > 0
 
 
+@pytest.mark.parametrize("policy", ["h2o", "sink", "dms", "trimkv"])
 @pytest.mark.parametrize("chunk", [3, 11])
-def test_h2o_prefill_in_blocks_of_queries_equals_the_plain_reference(chunk, monkeypatch):
-    """H2O's prefill attention runs in blocks of queries, each reading only what its queries can see."""
-    monkeypatch.setattr(engine_layer, "RECEIVED_BLOCK", 2)
-    test_evictions_and_logits_equal_the_plain_reference("h2o", chunk, 11)
+def test_prefill_in_blocks_of_queries_equals_the_plain_reference(policy, chunk, monkeypatch):
+    """A prefill chunk's masked attention runs in blocks of queries, each reading only what its queries see."""
+    monkeypatch.setattr(engine_layer, "QUERY_BLOCK", 2)
+    test_evictions_and_logits_equal_the_plain_reference(policy, chunk, 11)
 
 
-def test_h2o_prefill_blocks_of_padding_alone_change_nothing(monkeypatch):
-    """Blocks where every row is padding read nothing; the real tokens' results are those of one block."""
+@pytest.mark.parametrize("policy", ["h2o", "window"])
+@torch.no_grad()
+def test_prefill_blocks_read_what_their_queries_see_whatever_the_positions(policy, monkeypatch):
+    """Positions that restart (two segments in one prompt) let early queries see later keys: a block still reads
+    them (it reads through the last candidate its queries see, not just through its own keys)."""
     model = tiny_model()
+    ids = torch.randint(1, 97, (1, 12))
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0  # padding: the chunk takes the masked path
+    positions = (torch.arange(12) % 6)[None]
+
+    def logits():
+        with BoundedCache(model, policy=policy, budget=16) as cache:
+            return model(ids, attention_mask=mask, position_ids=positions, cache=cache).logits
+
+    expected = logits()
+    monkeypatch.setattr(engine_layer, "QUERY_BLOCK", 2)
+    torch.testing.assert_close(logits(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "window", "dms"])
+def test_prefill_blocks_of_padding_alone_change_nothing(policy, monkeypatch):
+    """Blocks where every row is padding see only their own keys; the real tokens' results are one block's."""
+    model = gated(policy, window=2, sinks=2) if policy == "dms" else tiny_model()
     ids, mask = left_padded_batch(length=24)
     mask[:, :2] = 0  # the first block of two queries is padding in every row
-    expected = generate(model, ids, mask, BoundedCache(model, policy="h2o", budget=12))
-    monkeypatch.setattr(engine_layer, "RECEIVED_BLOCK", 2)
-    seq, scores = generate(model, ids, mask, BoundedCache(model, policy="h2o", budget=12))
+    expected = generate(model, ids, mask, BoundedCache(model, policy=policy, budget=12))
+    monkeypatch.setattr(engine_layer, "QUERY_BLOCK", 2)
+    seq, scores = generate(model, ids, mask, BoundedCache(model, policy=policy, budget=12))
     assert torch.equal(seq, expected[0])
     torch.testing.assert_close(scores, expected[1], atol=1e-5, rtol=1e-5)
 

@@ -16,6 +16,8 @@ Decode steps log their per-step counts by reference and fold them in every `DECO
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
@@ -25,7 +27,28 @@ from eval.engine.positions import compressed_positions, rotate
 
 DECODE_LOG = 256  # decode steps whose counts are folded into the counters at once
 SHRINK_EVERY = 32  # decode steps between two shrinks of a dropping policy's used region (one readback each)
-RECEIVED_BLOCK = 128  # queries per block of a prefill chunk's attention when the policy adds up what keys received
+QUERY_BLOCK = 128  # queries per block of a prefill chunk's masked attention (see query_blocks)
+
+
+def _readable(candidates: torch.Tensor, used: int, slots: int) -> torch.Tensor:
+    """A prefill chunk's per-candidate tensor [..., slots + c] without the empty slots [used, slots)."""
+    return torch.cat([candidates[..., :used], candidates[..., slots:]], -1)
+
+
+def query_blocks(visible: torch.Tensor, used: int) -> list[tuple[int, int, int]]:
+    """(first query, end query, candidates it reads) per block of `QUERY_BLOCK` queries of a prefill chunk whose
+    [B, Hkv, 1, c, used + c] visibility is `visible`. A block reads the candidates up to the last one any of
+    its queries sees, and at least through its own keys: causally about half the chunk's score matrix instead of
+    all of it, and a smaller mask at a time. The candidates it skips are hidden from its queries, so the result
+    is exact for any positions. One readback per chunk of more than one block."""
+    c, read = visible.shape[-2:]
+    if c <= QUERY_BLOCK:
+        return [(0, c, read)]
+    starts = range(0, c, QUERY_BLOCK)
+    seen = visible.any(2).any(1).any(0)  # [c, read]: some sequence's query reads the candidate
+    reach = (seen * torch.arange(1, read + 1, device=seen.device)).amax(-1)  # [c] through its last candidate seen
+    ends = torch.stack([reach[a:a + QUERY_BLOCK].amax() for a in starts]).tolist()
+    return [(a, min(a + QUERY_BLOCK, c), max(n, used + min(a + QUERY_BLOCK, c))) for a, n in zip(starts, ends)]
 
 
 def slot_positions(positions: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -308,17 +331,19 @@ class BoundedLayer(CacheLayerMixin):
     def _attend_chunk(self, query, keys, values, positions, real, gate, scaling, decode):
         batch, heads, c, _ = query.shape
         chunk = self._chunk(query, positions, real, gate)
-        slots, cand_pos, cand_ok = chunk.num_slots, chunk.cand_pos, chunk.cand_ok
-        positions = chunk.positions
+        slots = chunk.num_slots
         used = self.in_use  # slots [used, slots) are still empty: room for the chunk, nothing to read
         slot_keys, slot_values = self.keys[:, :, :used], self.values[:, :, :used]
-        causal = cand_pos[:, :, None, :] <= positions[:, None, :, None]
-        visible = (cand_ok[:, :, None, :] & causal)[:, :, None]  # [B, Hkv, 1, c, N]
-        extra = self.policy.visibility(chunk)
+        # what the queries read, the used slots and the chunk: their [B, Hkv, 1, c, read] visibility is built on
+        # those candidates alone (a first chunk would otherwise build it over as many empty slots as it has tokens)
+        reading = chunk if used == slots else dataclasses.replace(
+            chunk, cand_pos=_readable(chunk.cand_pos, used, slots), cand_ok=_readable(chunk.cand_ok, used, slots),
+            state={name: _readable(t, used, slots) for name, t in chunk.state.items()}, num_slots=used)
+        causal = reading.cand_pos[:, :, None, :] <= chunk.positions[:, None, :, None]
+        visible = (reading.cand_ok[:, :, None, :] & causal)[:, :, None]  # [B, Hkv, 1, c, read]
+        extra = self.policy.visibility(reading)
         if extra is not None:
             visible = visible & extra
-        if used < slots:  # what the queries read: the used slots and the chunk
-            visible = torch.cat([visible[..., :used], visible[..., slots:]], -1)
         if self.inv_freq is not None:
             out, probs = self._attend_scores(chunk, query, slot_keys, keys, slot_values, values, visible, scaling)
             probs = self._policy_input(chunk, probs)
@@ -363,25 +388,18 @@ class BoundedLayer(CacheLayerMixin):
     @staticmethod
     def _attend_received(chunk: Chunk, query, slot_keys, keys, slot_values, values, visible, scaling):
         """A prefill chunk's attention [B, H, c, D] and what each candidate received from its real queries, mean
-        over the query group, [B, Hkv, used slots + c] (H2O), in blocks of `RECEIVED_BLOCK` queries. A block
-        reads the candidates up to the last one any of its queries sees (one readback per chunk finds them):
-        causally, about half of the chunk's score matrix is ever written, a block at a time, instead of all of
-        it at once. The hidden candidates it skips would get exactly zero probability."""
+        over the query group, [B, Hkv, used slots + c] (H2O): the probabilities written out a block of queries at
+        a time (`query_blocks`), each block reading only the candidates its queries can see."""
         batch, heads, c, dim = query.shape
-        kv_heads, group, read = keys.shape[1], heads // keys.shape[1], slot_keys.shape[2] + c
-        if slot_keys.shape[2]:  # one matmul over slots and chunk: concatenating keys is cheaper than scores
+        kv_heads, group, used = keys.shape[1], heads // keys.shape[1], slot_keys.shape[2]
+        if used:  # one matmul over slots and chunk: concatenating keys is cheaper than scores
             keys, values = torch.cat([slot_keys, keys], 2), torch.cat([slot_values, values], 2)
         dtype = torch.promote_types(keys.dtype, torch.float32)  # softmax in float32 at least (float64 stays)
-        starts = list(range(0, c, RECEIVED_BLOCK))
-        seen = visible.any(2).any(1).any(0)  # [c, N] some sequence's query reads the candidate
-        reach = (seen * torch.arange(1, read + 1, device=seen.device)).amax(-1)  # [c] candidates up to the last seen
-        ends = torch.stack([reach[a:a + RECEIVED_BLOCK].amax() for a in starts]).tolist()
         queries = query.view(batch, kv_heads, group, c, dim)
         weights = chunk.real.to(dtype)  # real queries only
         out = query.new_empty(batch, kv_heads, group, c, values.shape[-1])
-        received = torch.zeros(batch, kv_heads, read, dtype=dtype, device=query.device)
-        for a, n in zip(starts, ends):
-            b = min(a + RECEIVED_BLOCK, c)
+        received = torch.zeros(batch, kv_heads, used + c, dtype=dtype, device=query.device)
+        for a, b, n in query_blocks(visible, used):
             scores = queries[:, :, :, a:b].reshape(batch, kv_heads, group * (b - a), dim) @ keys[:, :, :n].transpose(-1, -2)
             scores = scores.to(dtype).mul_(scaling).view(batch, kv_heads, group, b - a, n)
             scores.masked_fill_(~visible[..., a:b, :n], torch.finfo(dtype).min)
@@ -407,19 +425,24 @@ class BoundedLayer(CacheLayerMixin):
 
     @staticmethod
     def _attend_fused(query, slot_keys, keys, slot_values, values, visible, scaling):
-        """The chunk's attention through fused SDPA with a boolean mask: no score matrix of our own. A query that
-        sees nothing (padding) is let see its own key: an all-masked row would give NaN, which would reach the
-        padding tokens' keys and values in the next layer, and 0 x NaN the real queries' outputs."""
+        """The chunk's attention through fused SDPA with a boolean mask, a block of queries at a time
+        (`query_blocks`): no score matrix of our own. A query that sees nothing (padding) is let see its own key:
+        an all-masked row would give NaN, which would reach the padding tokens' keys and values in the next
+        layer, and 0 x NaN the real queries' outputs."""
         batch, heads, c, _ = query.shape
-        kv_heads, slots = keys.shape[1], slot_keys.shape[2]
-        if slots:
+        kv_heads, used = keys.shape[1], slot_keys.shape[2]
+        if used:
             keys, values = torch.cat([slot_keys, keys], 2), torch.cat([slot_values, values], 2)
-        own_key = torch.zeros(c, slots + c, dtype=torch.bool, device=query.device)
-        own_key[:, slots:] = torch.eye(c, dtype=torch.bool, device=query.device)
-        mask = visible | (~visible.any(-1, keepdim=True) & own_key)  # [B, Hkv, 1, c, N]
-        mask = mask.expand(-1, -1, heads // kv_heads, -1, -1).reshape(batch, heads, c, slots + c)
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
-                                              enable_gqa=heads > kv_heads)
+        out = query.new_empty(batch, heads, c, values.shape[-1])
+        for a, b, n in query_blocks(visible, used):
+            own_key = torch.zeros(b - a, n, dtype=torch.bool, device=query.device)
+            own_key[:, used + a:used + b] = torch.eye(b - a, dtype=torch.bool, device=query.device)
+            block = visible[..., a:b, :n]
+            mask = block | (~block.any(-1, keepdim=True) & own_key)  # [B, Hkv, 1, b - a, n]
+            mask = mask.expand(-1, -1, heads // kv_heads, -1, -1).reshape(batch, heads, b - a, n)
+            out[:, :, a:b] = F.scaled_dot_product_attention(query[:, :, a:b], keys[:, :, :n], values[:, :, :n],
+                                                            attn_mask=mask, scale=scaling, enable_gqa=heads > kv_heads)
+        return out
 
     @staticmethod
     def _last_query_probs(chunk: Chunk, slot_keys, keys, visible, scaling) -> torch.Tensor:
