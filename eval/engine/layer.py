@@ -276,18 +276,19 @@ class BoundedLayer(CacheLayerMixin):
         expired keys): it leaves holes, which new tokens fill lowest first, so what it holds stays near the front
         while `in_use` only ever grows by itself, and every query reads `in_use` slots. `past_sinks` turns true
         once every sequence has more real tokens than the policy's sinks: new tokens' sink tests stop then."""
+        shrink, sinks = self.policy.drops and self.in_use > 0, not self.past_sinks
         wanted = []
-        if self.policy.drops and self.in_use:
+        if shrink:
             extent = torch.arange(1, self.in_use + 1, device=self.device)
             wanted.append(((self.positions[..., :self.in_use] >= 0) * extent).amax())
-        if not self.past_sinks:
+        if sinks:
             wanted.append((self.real_tokens >= self.policy.sink_count).all())
         if not wanted:
             return
         values = torch.stack([v.long() for v in wanted]).tolist()
-        if self.policy.drops and self.in_use:
+        if shrink:
             self.in_use = values.pop(0)
-        if not self.past_sinks:
+        if sinks:
             self.past_sinks = bool(values.pop(0))
 
     def settle_counters(self) -> None:

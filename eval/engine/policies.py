@@ -54,14 +54,9 @@ class Chunk:
     def size(self) -> int:
         return self.positions.shape[1]
 
-    @property
-    def query_pos(self) -> torch.Tensor:
-        """[B, 1, c, 1] positions of the queries, for broadcasting against candidates."""
-        return self.positions[:, None, :, None]
-
-    def distance(self, at: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, Hkv, c, N] t - i from each query (or from positions `at`, [B, 1, c', 1]) to each candidate."""
-        return (self.query_pos if at is None else at) - self.cand_pos[:, :, None, :]
+    def distance(self) -> torch.Tensor:
+        """[B, Hkv, c, N] t - i from each query to each candidate."""
+        return self.positions[:, None, :, None] - self.cand_pos[:, :, None, :]
 
     def set_new(self, name: str, values: torch.Tensor | float) -> None:
         """Write the chunk's tokens' state `name` ([B, Hkv or 1, c], or one value for all) into its candidate
