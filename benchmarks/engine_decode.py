@@ -12,8 +12,12 @@ chunks of the budget; then, for a KV memory cap, the largest batch each cache fi
 Rows of a batch share one prefilled prompt (the batch-1 cache is repeated), so the CPU benchmark spends
 its minutes on decode steps, the thing measured, rather than on identical prefills.
 
+With --compile, every cache's decode steps run through `torch.compile(model.forward)` (the floor's too, and an
+eager floor beside it), and only the step table is printed.
+
     python benchmarks/engine_decode.py [--context 4096] [--decode 128] [--budget 512] [--batches 1 8]
         [--policies window sink h2o tova] [--snapshot outputs/RUN ...]  # adds each run's learned policy
+        [--compile]
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from eval.engine.syncs import count_host_syncs
 
 FULL = "full (DynamicCache)"
 FLOOR = "floor (DynamicCache)"
+EAGER_FLOOR = "floor, eager"  # with --compile: the floor without compilation, what compiling gains
 
 
 def essay_prompt(tokenizer, length: int) -> torch.Tensor:
@@ -42,10 +47,12 @@ def essay_prompt(tokenizer, length: int) -> torch.Tensor:
 
 
 class Decoder:
-    """One cache being measured: prefill one row, repeat it to `batch` rows, then decode a token per call."""
+    """One cache being measured: prefill one row, repeat it to `batch` rows, then decode a token per call
+    (through `torch.compile(model.forward)` with `compiled`: the prefill stays eager)."""
 
-    def __init__(self, model, make_cache, prompt: torch.Tensor, batch: int):
+    def __init__(self, model, make_cache, prompt: torch.Tensor, batch: int, compiled: bool = False):
         self.model, self.cache = model, make_cache()
+        self.forward = torch.compile(model.forward) if compiled else model.forward
         self.attention = model.config._attn_implementation  # what this cache runs under (shared models switch)
         start = time.perf_counter()
         logits = self.model(prompt, cache=self.cache).logits[:, -1]
@@ -58,7 +65,7 @@ class Decoder:
         if self.model.config._attn_implementation != self.attention:
             self.model.set_attn_implementation(self.attention)
         start = time.perf_counter()
-        self.token = self.model(self.token, cache=self.cache).logits[:, -1].argmax(-1, keepdim=True)
+        self.token = self.forward(self.token, cache=self.cache).logits[:, -1].argmax(-1, keepdim=True)
         if timed:
             self.times.append(time.perf_counter() - start)
 
@@ -80,10 +87,11 @@ class Decoder:
 
 
 @torch.no_grad()
-def run_interleaved(specs: dict, batch: int, steps: int) -> dict:
+def run_interleaved(specs: dict, batch: int, steps: int, compiled: bool = False) -> dict:
     """Decode `steps` tokens with every cache, one step of each in turn, so that a machine whose speed drifts
     (a shared CPU) slows every cache alike and the ratios hold. specs: name -> (model, make_cache, prompt)."""
-    decoders = {name: Decoder(model, make, prompt, batch) for name, (model, make, prompt) in specs.items()}
+    decoders = {name: Decoder(model, make, prompt, batch, compiled and name != EAGER_FLOOR)
+                for name, (model, make, prompt) in specs.items()}
     for _ in range(steps):
         for decoder in decoders.values():
             decoder.step()
@@ -100,7 +108,7 @@ def prefill_ratios(caches: dict, prompt: torch.Tensor, budget: int, repeats: int
     for _ in range(repeats):
         for case, ids in prompts.items():
             for name, (net, make) in caches.items():
-                if name == FLOOR:  # the plain cache is FULL's; the floor differs only in decode
+                if name in (FLOOR, EAGER_FLOOR):  # the plain cache is FULL's; the floor differs only in decode
                     continue
                 cache = make()
                 start = time.perf_counter()
@@ -137,7 +145,13 @@ def main() -> None:
                         "(default: what two full-cache sequences need)")
     parser.add_argument("--cap-steps", type=int, default=16, help="decode steps timed per throughput row")
     parser.add_argument("--prefill-repeats", type=int, default=2, help="timed prefills per cache and prompt")
+    parser.add_argument("--compile", action="store_true", help="decode steps of the step table through "
+                        "torch.compile(model.forward), every cache's (full and floor too); the first two steps of "
+                        "each compile and are not counted; an eager floor row shows what compiling gains. The "
+                        "prefill and throughput tables, which are eager, are left out")
     args = parser.parse_args()
+    if args.compile:
+        torch._dynamo.config.recompile_limit = 64  # two graphs per cache, all under one forward's code object
 
     from models import load_backbone
     from models.backbone import embedded_model_dir
@@ -156,6 +170,8 @@ def main() -> None:
 
     caches = {FULL: (model, plain), FLOOR: (model, plain)}
     prompts = {FULL: prompt, FLOOR: prompt[:, -args.budget:]}  # the floor holds as many tokens as the budget
+    if args.compile:
+        caches[EAGER_FLOOR], prompts[EAGER_FLOOR] = caches[FLOOR], prompts[FLOOR]
     for name in args.policies:
         caches[name] = (model, lambda name=name: BoundedCache(model, policy=name, budget=args.budget))
     for snapshot in args.snapshot:
@@ -167,11 +183,11 @@ def main() -> None:
         caches[kind] = (learned, lambda learned=learned, kind=kind: BoundedCache(learned, policy=kind, budget=args.budget))
 
     print(f"SmolLM2-135M, context {args.context}, decode {args.decode}, budget {args.budget}, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads" + (", decode steps compiled" if args.compile else ""))
     rows = {}
     for batch in args.batches:
         specs = {name: (net, make, prompts.get(name, prompt)) for name, (net, make) in caches.items()}
-        results = run_interleaved(specs, batch, args.decode)
+        results = run_interleaved(specs, batch, args.decode, args.compile)
         full, floor = results[FULL], results[FLOOR]
         for name, result in results.items():
             rows[name, batch] = result
@@ -189,13 +205,15 @@ def main() -> None:
             ratio = rows["tova", batch]["step_s"] / rows["window", batch]["step_s"]
             print(f"TOVA / window step time, batch {batch}: {ratio:.3f} (target <= 1.2)")
 
+    if args.compile:
+        return
     prefill_ratios(caches, prompt, args.budget, args.prefill_repeats)
 
     first = args.batches[0]
     cap = args.memory_cap_mb * 2**20 if args.memory_cap_mb else 2 * rows[FULL, first]["kv_bytes"] / first
     print(f"\nthroughput at a KV memory cap of {cap / 2**20:.0f} MiB ({args.cap_steps} decode steps each)")
     for name, (net, make) in caches.items():
-        if name == FLOOR:
+        if name in (FLOOR, EAGER_FLOOR):
             continue
         per_sequence = rows[name, first]["kv_bytes"] / first
         fits = int(cap // per_sequence)

@@ -8,7 +8,8 @@
 2. The engine on CUDA: greedy decoding through `BoundedCache` with a budget over the sequence against
    transformers' `DynamicCache` (tokens equal, logits close); TOVA and window at a small budget against a
    `DynamicCache` holding as many tokens (the floor), step times synchronised; a decode step under
-   `torch.cuda.set_sync_debug_mode("error")`, which raises on any device-to-host wait.
+   `torch.cuda.set_sync_debug_mode("error")`, which raises on any device-to-host wait; TOVA decode steps through
+   `torch.compile(model.forward)`, in the default mode and with CUDA graphs ("reduce-overhead"), against eager.
 3. Loading: the embedded model straight onto the GPU against on the host then moved, peak host memory of each
    in its own process (what a rank of a multi-GPU run holds while it loads).
 
@@ -141,23 +142,41 @@ def check_engine(device, dtype, context: int, steps: int = 32) -> None:
 
     budget = max(context // 4, 64)
 
-    def decode(cache, ids) -> float:
+    def decode(cache, ids, forward=model.forward) -> tuple[float, torch.Tensor]:
+        """Median decode step time (the later half of the steps: a compiled forward compiles in the first ones)
+        and the greedy tokens."""
         token = model(ids, cache=cache).logits[:, -1:].argmax(-1)
-        times = []
+        times, tokens = [], []
         for _ in range(steps):
             synchronize(device)
             start = time.perf_counter()
-            token = model(token, cache=cache).logits[:, -1:].argmax(-1)
+            token = forward(token, cache=cache).logits[:, -1:].argmax(-1)
             synchronize(device)
             times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2]
+            tokens.append(token)
+        later = sorted(times[steps // 2:])
+        return later[len(later) // 2], torch.cat(tokens, 1)
 
-    floor = decode(DynamicCache(config=model.config), prompt[:, -budget:])
+    floor, _ = decode(DynamicCache(config=model.config), prompt[:, -budget:])
+    eager = {}
     for policy in ("window", "tova"):
         with BoundedCache(model, policy=policy, budget=budget) as cache:
-            step = decode(cache, prompt)
+            step, eager[policy] = decode(cache, prompt)
             print(f"     decode step, {policy} budget {budget}: {step * 1e3:.2f} ms = {step / floor:.2f}x the floor "
                   f"(DynamicCache of {budget} tokens, {floor * 1e3:.2f} ms)")
+    # decode steps through torch.compile (tested on CPU only), plain and with CUDA graphs: tokens as eager?
+    torch._dynamo.config.recompile_limit = 64
+    for mode in ("default", "reduce-overhead"):
+        forward = torch.compile(model.forward, mode=mode)
+        try:
+            compiled_floor, _ = decode(DynamicCache(config=model.config), prompt[:, -budget:], forward)
+            with BoundedCache(model, policy="tova", budget=budget) as cache:
+                step, tokens = decode(cache, prompt, forward)
+            verdict(f"compiled TOVA decode ({mode}) = eager", torch.equal(tokens, eager["tova"]),
+                    f"{step * 1e3:.2f} ms a step = {step / compiled_floor:.2f}x the compiled floor "
+                    f"({compiled_floor * 1e3:.2f} ms); tokens equal: {torch.equal(tokens, eager['tova'])}")
+        except Exception as err:  # a failure to compile is a finding, not a crash of the whole check
+            verdict(f"compiled TOVA decode ({mode}) = eager", False, f"{type(err).__name__}: {str(err).splitlines()[0]}")
     if device.type == "cuda":
         with BoundedCache(model, policy="tova", budget=budget) as cache:
             token = model(prompt, cache=cache).logits[:, -1:].argmax(-1)

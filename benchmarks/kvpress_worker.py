@@ -3,7 +3,8 @@
 streams still take turns on the same CPU.
 
 Imports only torch, transformers and kvpress. Protocol on stdin / stdout, one JSON object per line: first
-{"model": folder, "ids": [[...], ...], "budget": n, "threads": n}, answered with {"ready": versions}; then
+{"model": folder, "ids": [[...], ...], "budget": n, "threads": n, "compile": bool}, answered with {"ready":
+versions} (with "compile", after a first pass over budget + 3 tokens through torch.compile(model.forward)); then
 "step" lines, each answered with {"seconds": forward time, "nll": [per sequence]} for the next token.
 
     /path/to/kvpress-env/bin/python benchmarks/kvpress_worker.py   (started by streaming_speed.py)
@@ -38,16 +39,25 @@ def main() -> None:
     # compress after every decoded token down to the budget: streaming TOVA (kvpress keeps the newest token)
     press = DecodingPress(base_press=TOVAPress(), compression_interval=1, target_size=setup["budget"],
                           hidden_states_buffer_size=1)
-    cache = DynamicCache(config=model.config)
-    reply({"ready": {name: version(name) for name in ("torch", "transformers", "kvpress")}})
+    forward = torch.compile(model.forward) if setup.get("compile") else model
+
+    def step(cache, t):
+        position = torch.full((ids.shape[0], 1), t, dtype=torch.long)
+        return forward(input_ids=ids[:, t:t + 1], position_ids=position, cache_position=torch.tensor([t]),
+                       past_key_values=cache, use_cache=True).logits[:, -1].float()
+
     with press(model):
+        if setup.get("compile"):  # compile every graph the timed stream meets (filling, then full) before it
+            warm = DynamicCache(config=model.config)
+            for t in range(min(setup["budget"] + 3, ids.shape[1] - 1)):
+                step(warm, t)
+        cache = DynamicCache(config=model.config)
+        reply({"ready": {name: version(name) for name in ("torch", "transformers", "kvpress")}})
         for t in range(ids.shape[1] - 1):
             if sys.stdin.readline().strip() != "step":
                 return
             start = time.perf_counter()
-            position = torch.full((ids.shape[0], 1), t, dtype=torch.long)
-            logits = model(input_ids=ids[:, t:t + 1], position_ids=position, cache_position=torch.tensor([t]),
-                           past_key_values=cache, use_cache=True).logits[:, -1].float()
+            logits = step(cache, t)
             seconds = time.perf_counter() - start
             nll = torch.nn.functional.cross_entropy(logits, ids[:, t + 1], reduction="none")
             reply({"seconds": seconds, "nll": nll.tolist(), "held": cache.layers[0].keys.shape[2]})

@@ -36,12 +36,14 @@ from models import load_backbone
 from models.backbone import embedded_model_dir
 
 
-def engine_stream(model, ids: torch.Tensor, budget: int):
-    """Yields (seconds, NLL [B]) per token, streaming through the engine's TOVA."""
+def engine_stream(model, ids: torch.Tensor, budget: int, forward=None):
+    """Yields (seconds, NLL [B]) per token, streaming through the engine's TOVA (each token a decode step of
+    `forward`, by default the model's own)."""
+    forward = forward or model
     cache = BoundedCache(model, policy="tova", budget=budget, chunk_size=1)
     for t in range(ids.shape[1] - 1):
         start = time.perf_counter()
-        logits = model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1].float()
+        logits = forward(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1].float()
         yield time.perf_counter() - start, torch.nn.functional.cross_entropy(logits, ids[:, t + 1], reduction="none")
 
 
@@ -66,23 +68,24 @@ def plain_stream(model, ids: torch.Tensor, budget: int):
         yield time.perf_counter() - start, nll
 
 
-def floor_stream(model, ids: torch.Tensor, budget: int):
+def floor_stream(model, ids: torch.Tensor, budget: int, forward=None):
     """Yields (seconds, NLL [B]) per token from a DynamicCache that keeps its last `budget` tokens by slicing off
     the oldest: what a plain cache of the budget's size costs with no eviction choice (the floor; its NLLs are a
     sliding window's, not TOVA's)."""
+    forward = forward or model
     cache = DynamicCache(config=model.config)
     batch = ids.shape[0]
     for t in range(ids.shape[1] - 1):
         start = time.perf_counter()
         position = torch.full((batch, 1), t, dtype=torch.long)
-        logits = model(input_ids=ids[:, t:t + 1], position_ids=position, cache=cache, use_cache=True).logits[:, -1]
+        logits = forward(input_ids=ids[:, t:t + 1], position_ids=position, cache=cache, use_cache=True).logits[:, -1]
         for layer in cache.layers:
             if layer.keys.shape[2] > budget:
                 layer.keys, layer.values = layer.keys[:, :, 1:], layer.values[:, :, 1:]
         yield time.perf_counter() - start, torch.nn.functional.cross_entropy(logits.float(), ids[:, t + 1], reduction="none")
 
 
-def kvpress_stream(python: str, ids: torch.Tensor, budget: int):
+def kvpress_stream(python: str, ids: torch.Tensor, budget: int, compiled: bool = False):
     """Yields (seconds, NLL [B]) per token from kvpress's streaming TOVA in a worker process of `python`."""
     worker = subprocess.Popen([python, str(Path(__file__).with_name("kvpress_worker.py"))], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
@@ -97,7 +100,7 @@ def kvpress_stream(python: str, ids: torch.Tensor, budget: int):
 
     try:
         versions = ask(json.dumps({"model": str(embedded_model_dir()), "ids": ids.tolist(), "budget": budget,
-                                   "threads": torch.get_num_threads()}))["ready"]
+                                   "threads": torch.get_num_threads(), "compile": compiled}))["ready"]
         print(f"kvpress worker: {versions}", flush=True)
         for _ in range(ids.shape[1] - 1):
             step = ask("step")
@@ -108,19 +111,27 @@ def kvpress_stream(python: str, ids: torch.Tensor, budget: int):
 
 
 @torch.no_grad()
-def interleaved(model, ids: torch.Tensor, budget: int, kvpress_python: str | None = None, turn: int = 1
-                ) -> dict[str, tuple[float, torch.Tensor]]:
+def interleaved(model, ids: torch.Tensor, budget: int, kvpress_python: str | None = None, turn: int = 1,
+                compiled: bool = False) -> dict[str, tuple[float, torch.Tensor]]:
     """The streams take turns, `turn` tokens each (each under its attention implementation, switched outside
     the timed part), so that a machine whose speed drifts slows all alike. With kvpress in another process, take
     long turns: a process's OpenMP threads keep spinning for a while after its step, so a token-by-token
     switch between processes makes each pay for the other's spin (both about twice as slow as alone).
+    `compiled`: the engine, the floor and kvpress step through `torch.compile(model.forward)`, compiled on a
+    first pass over `budget + 3` tokens that is not timed (the plain loop, which reads attention rows, stays eager).
     Returns name -> (seconds, NLL [B, T-1])."""
     register_engine_attention()
+    forward = torch.compile(model.forward) if compiled else None
+    if compiled:  # the cache filling, then full and sliding: every graph a timed stream will meet
+        for attention, stream in ((ENGINE_ATTENTION, engine_stream), ("sdpa", floor_stream)):
+            model.set_attn_implementation(attention)
+            for _ in stream(model, ids[:, :budget + 4], budget, forward):
+                pass
     streams = {"plain": ("eager", plain_stream(model, ids, budget)),
-               "engine": (ENGINE_ATTENTION, engine_stream(model, ids, budget)),
-               "floor": ("sdpa", floor_stream(model, ids, budget))}
+               "engine": (ENGINE_ATTENTION, engine_stream(model, ids, budget, forward)),
+               "floor": ("sdpa", floor_stream(model, ids, budget, forward))}
     if kvpress_python:
-        streams["kvpress"] = (None, kvpress_stream(kvpress_python, ids, budget))
+        streams["kvpress"] = (None, kvpress_stream(kvpress_python, ids, budget, compiled))
     totals = {name: [0.0, []] for name in streams}
     tokens = ids.shape[1] - 1
     for start in range(0, tokens, turn):
@@ -142,6 +153,8 @@ def main() -> None:
     parser.add_argument("--kvpress-python", help="python of an environment with kvpress (and transformers < 5.3)")
     parser.add_argument("--turn", type=int, help="tokens each stream decodes before the next takes its turn "
                         "(default: 1, or 128 with --kvpress-python, whose stream runs in another process)")
+    parser.add_argument("--compile", action="store_true", help="the engine, floor and kvpress streams through "
+                        "torch.compile(model.forward), compiled before the timed run")
     args = parser.parse_args()
     model, tokenizer = load_backbone("smollm2-135m")
     docs = heldout_documents(PerplexityTask(documents=max(args.batches), tokens=args.tokens), tokenizer)
@@ -149,10 +162,11 @@ def main() -> None:
     if turn < 1:
         raise SystemExit(f"--turn {turn} is invalid; it must be >= 1")
     print(f"SmolLM2-135M, TOVA budget {args.budget}, {args.tokens} tokens one at a time, "
-          f"{torch.get_num_threads()} threads, streams taking turns every {turn} tokens")
+          f"{torch.get_num_threads()} threads, streams taking turns every {turn} tokens"
+          + (", engine, floor and kvpress compiled" if args.compile else ""))
     for batch in args.batches:
         ids = torch.stack(docs[:batch])
-        results = interleaved(model, ids, args.budget, args.kvpress_python, turn)
+        results = interleaved(model, ids, args.budget, args.kvpress_python, turn, args.compile)
         (plain_s, plain_nll), (engine_s, engine_nll) = results["plain"], results["engine"]
         print(f"batch {batch}: plain DynamicCache loop {plain_s:7.1f} s, engine {engine_s:7.1f} s, "
               f"engine speed-up x{plain_s / engine_s:.2f} (target >= 1 at batch 1, > 1 at batch 8); per-token NLL "

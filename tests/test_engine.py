@@ -556,3 +556,53 @@ def test_a_decode_step_reads_nothing_back_to_the_host(policy):
         with count_host_syncs() as syncs:
             int(torch.ones(()))
         assert syncs["count"] == 1  # the counter itself works
+
+
+def _decode_through(forward, model, policy: str, steps: int = 40):
+    """A padded batch prefilled eagerly, then `steps` greedy decode steps through `forward`: (logits [steps, B, V],
+    the cache's statistics)."""
+    ids, mask = left_padded_batch()
+    with BoundedCache(model, policy=policy, budget=6) as cache:
+        logits = model(ids, attention_mask=mask, cache=cache).logits[:, -1]
+        out = []
+        for _ in range(steps):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            logits = forward(logits.argmax(-1, keepdim=True), attention_mask=mask,
+                             position_ids=mask.sum(-1, keepdim=True) - 1, cache=cache).logits[:, -1]
+            out.append(logits)
+        return torch.stack(out), cache.stats().summary()
+
+
+@pytest.mark.parametrize("policy", ["window", "sink", "h2o", "tova", "dms", "trimkv"])
+def test_torch_compile_captures_the_decode_step_whole(policy):
+    """torch.compile takes a decode step as one graph with no break (fullgraph), and after the first step's graph,
+    which specialises on the step counters, that one graph serves every step, past DMS's shrink interval too; it
+    computes what eager does, statistics included."""
+    model = gated(policy, sinks=2) if policy in ("dms", "trimkv") else tiny_model()
+    graphs = []
+
+    def backend(graph, example_inputs):  # count the graphs and run each as captured
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager_logits, eager_stats = _decode_through(model.forward, model, policy)
+        logits, stats = _decode_through(torch.compile(model.forward, backend=backend, fullgraph=True), model, policy)
+    assert len(graphs) == 2
+    # (to rounding: a compiled step reads every slot, so its sums run over more, masked, terms)
+    torch.testing.assert_close(logits, eager_logits, rtol=0, atol=1e-6)
+    assert stats == eager_stats and stats["decode_steps"] == 40 > engine_layer.SHRINK_EVERY
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_an_inductor_compiled_decode_step_equals_eager():
+    """The same through inductor's generated code (DMS: sinks, window, drops, the folded adapter gate)."""
+    model = gated("dms", sinks=2)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager_logits, eager_stats = _decode_through(model.forward, model, "dms")
+        logits, stats = _decode_through(torch.compile(model.forward), model, "dms")
+    torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
+    assert stats == eager_stats

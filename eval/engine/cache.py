@@ -152,6 +152,8 @@ class BoundedCache(Cache):
         if layer_idx == 0 and self._config._attn_implementation != ENGINE_ATTENTION:
             raise EngineError(f"BoundedCache needs the model's attention set to {ENGINE_ATTENTION!r}, but it is "
                               f"{self._config._attn_implementation!r}; do not change it while the cache is in use")
+        if layer_idx == 0:
+            self._new_tokens.forget()
         layer = self.layers[layer_idx]
         out = layer.update(key_states, value_states)
         self._attention_modules[layer_idx].__dict__[_BOUND] = layer  # (past nn.Module.__setattr__'s checks)
@@ -208,22 +210,21 @@ def engine_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 class NewTokens:
     """Which of a forward's new tokens are real, their positions (int32), and the positions their slots will
-    hold (-1 for padding): the same for every layer, so the first layer computes them and the others reuse
-    them (recognised by the very mask and position tensors transformers hands to each layer of one forward)."""
+    hold (-1 for padding): the same for every layer, so the first layer's attention computes them and the
+    others reuse them. `BoundedCache.update` forgets them as each forward begins (at layer 0)."""
 
     def __init__(self):
-        self._key: tuple | None = None
         self._value: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
+    def forget(self) -> None:
+        self._value = None
+
     def __call__(self, attention_mask, position_ids, length: int, batch: int, q_len: int, device):
-        key = (attention_mask, position_ids, length, batch, q_len)
-        cached = self._key
-        if cached is not None and attention_mask is cached[0] and position_ids is cached[1] and key[2:] == cached[2:]:
-            return self._value
-        real = _new_token_real(attention_mask, batch, q_len, device)
-        positions = position_ids if position_ids is not None else torch.arange(length, length + q_len, device=device)
-        positions = positions.expand(batch, q_len).to(device=device, dtype=torch.int32)
-        self._key, self._value = key, (real, positions, slot_positions(positions, real))
+        if self._value is None:
+            real = _new_token_real(attention_mask, batch, q_len, device)
+            positions = position_ids if position_ids is not None else torch.arange(length, length + q_len, device=device)
+            positions = positions.expand(batch, q_len).to(device=device, dtype=torch.int32)
+            self._value = (real, positions, slot_positions(positions, real))
         return self._value
 
 

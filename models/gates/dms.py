@@ -172,6 +172,8 @@ class DMSGate(KVGate):
         (which dispatches six small ops per layer and token). (weight, bias), rebuilt when a parameter changes; None
         where the shortcut would lose precision or does not apply: a half-precision input (the full path reads
         the float32 residual), another eps, a zero in the norm's weight, parameters partitioned by ZeRO-3."""
+        if torch.compiler.is_compiling() and self._fold[0]:
+            return self._fold[1]  # (the eager prefill built it; a rebuild inside a graph would read weights back)
         tensors = (layer_norm.weight, self.norm.weight, self.proj.weight, self.proj.bias)
         key = tuple((id(t), t._version) for t in tensors) + (dtype, self.settings.alpha_scale, self.settings.offset)
         if self._fold[0] != key:
