@@ -199,8 +199,9 @@ class BoundedLayer(CacheLayerMixin):
         slots lowest of all" evicts exactly when the slots overflow, with no test of the count."""
         batch, heads, _, dim = query.shape
         kv_heads = keys.shape[1]
+        compiling = torch.compiler.is_compiling()
         # a compiled step reads every slot: static shapes, so one graph serves every step (empty slots are masked)
-        n = self.allocated if torch.compiler.is_compiling() else min(self.in_use + 2, self.allocated)
+        n = self.allocated if compiling else min(self.in_use + 2, self.allocated)
         pos, slot_keys, slot_values = self.positions[..., :n], self.keys[:, :, :n], self.values[:, :, :n]
         free = pos.argmin(-1, keepdim=True)  # [B, Hkv, 1] a slot holding -1 (free)
         pos.scatter_(-1, free, stored[:, None].expand(-1, kv_heads, -1))
@@ -262,11 +263,11 @@ class BoundedLayer(CacheLayerMixin):
         # min(count, slots), which settle_counters takes
         read = count if extra is None else visible.sum((2, 3, 4))
         self._decode_log.append((read, count, real, self.real_tokens))
-        if len(self._decode_log) == DECODE_LOG or torch.compiler.is_compiling():
+        if len(self._decode_log) == DECODE_LOG or compiling:
             self.settle_counters()  # (a compiled step folds at once: the fold fuses, and a growing list would recompile)
         self.in_use = min(self.in_use + 1, self.allocated)
         # (a compiled step skips the shrink: its readback would break the graph, and it reads every slot anyway)
-        if self.policy.drops and not torch.compiler.is_compiling() and self.decode_steps % SHRINK_EVERY == 0:
+        if self.policy.drops and not compiling and self.decode_steps % SHRINK_EVERY == 0:
             self._read_back()
         return out.view(batch, heads, 1, -1)
 
