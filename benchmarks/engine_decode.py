@@ -35,6 +35,7 @@ from eval.engine.syncs import count_host_syncs
 FULL = "full (DynamicCache)"
 FLOOR = "floor (DynamicCache)"
 EAGER_FLOOR = "floor, eager"  # with --compile: the floor without compilation, what compiling gains
+FLOORS = (FLOOR, EAGER_FLOOR)  # decode-only rows: left out of the prefill and throughput tables
 
 
 def essay_prompt(tokenizer, length: int) -> torch.Tensor:
@@ -108,7 +109,7 @@ def prefill_ratios(caches: dict, prompt: torch.Tensor, budget: int, repeats: int
     for _ in range(repeats):
         for case, ids in prompts.items():
             for name, (net, make) in caches.items():
-                if name in (FLOOR, EAGER_FLOOR):  # the plain cache is FULL's; the floor differs only in decode
+                if name in FLOORS:  # the plain cache is FULL's; the floor differs only in decode
                     continue
                 cache = make()
                 start = time.perf_counter()
@@ -213,7 +214,7 @@ def main() -> None:
     cap = args.memory_cap_mb * 2**20 if args.memory_cap_mb else 2 * rows[FULL, first]["kv_bytes"] / first
     print(f"\nthroughput at a KV memory cap of {cap / 2**20:.0f} MiB ({args.cap_steps} decode steps each)")
     for name, (net, make) in caches.items():
-        if name in (FLOOR, EAGER_FLOOR):
+        if name in FLOORS:
             continue
         per_sequence = rows[name, first]["kv_bytes"] / first
         fits = int(cap // per_sequence)

@@ -148,11 +148,11 @@ class BoundedCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if self._model is None:
             raise EngineError("this BoundedCache was closed; create a new one for another generate call")
-        # (checked once per forward: reading the config costs microseconds, a decode step has one per layer)
-        if layer_idx == 0 and self._config._attn_implementation != ENGINE_ATTENTION:
-            raise EngineError(f"BoundedCache needs the model's attention set to {ENGINE_ATTENTION!r}, but it is "
-                              f"{self._config._attn_implementation!r}; do not change it while the cache is in use")
-        if layer_idx == 0:
+        if layer_idx == 0:  # a forward begins
+            # (checked once per forward: reading the config costs microseconds, a decode step has one per layer)
+            if self._config._attn_implementation != ENGINE_ATTENTION:
+                raise EngineError(f"BoundedCache needs the model's attention set to {ENGINE_ATTENTION!r}, but it is "
+                                  f"{self._config._attn_implementation!r}; do not change it while the cache is in use")
             self._new_tokens.forget()
         layer = self.layers[layer_idx]
         out = layer.update(key_states, value_states)
